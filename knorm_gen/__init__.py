@@ -1,0 +1,29 @@
+"""knorm_gen: mlx_lm generation with L2Norm key-norm KV-cache eviction."""
+
+# Must run before anything imports mlx.core: MLX resolves BLAS symbols at load.
+from .runtime import preload_blas as _preload_blas
+
+_preload_blas()
+
+from .cache import (  # noqa: E402
+    KEEP_MODES,
+    CacheStats,
+    EvictionConfig,
+    L2NormKVCache,
+    cache_stats,
+    make_eviction_cache,
+)
+from .runtime import runtime_info  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KEEP_MODES",
+    "CacheStats",
+    "EvictionConfig",
+    "L2NormKVCache",
+    "cache_stats",
+    "make_eviction_cache",
+    "runtime_info",
+    "__version__",
+]

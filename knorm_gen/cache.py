@@ -1,0 +1,395 @@
+"""L2Norm key-norm KV-cache eviction on mlx_lm's cache protocol.
+
+Devoto et al. (arXiv:2406.11430): a key with a low L2 norm tends to draw high
+attention, so when a layer's cache is over budget we keep the lowest-norm keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import cache as _mlx_cache
+from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask, make_prompt_cache
+
+KEEP_MODES = ("low", "high", "random", "recent")
+"""Ranking rules. ``low`` is the paper's; ``high`` its ablation; ``random`` and
+``recent`` (StreamingLLM: sinks + most recent) are baselines on the same machinery."""
+
+_STEP = 256
+_FLOAT32_INF_BITS = 0x7F800000
+_INT32_MAX = 2**31 - 1
+_POS_SHIFT = 1 << 32
+
+
+def validate_eviction_args(budget: Any, n_sink: Any, recent: Any, keep: Any) -> None:
+    """Raise ValueError naming the field when an eviction setting is invalid."""
+    for name, value in (("budget", budget), ("n_sink", n_sink), ("recent", recent)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    if n_sink < 0:
+        raise ValueError(f"n_sink must be >= 0, got {n_sink}")
+    if recent < 0:
+        raise ValueError(f"recent must be >= 0, got {recent}")
+    if n_sink + recent >= budget:
+        raise ValueError(
+            f"n_sink + recent must be < budget (got n_sink={n_sink}, recent={recent}, "
+            f"budget={budget}): nothing would be left to choose by key norm"
+        )
+    if keep not in KEEP_MODES:
+        raise ValueError(f"keep must be one of {', '.join(KEEP_MODES)}; got {keep!r}")
+
+
+class L2NormKVCache(_BaseCache):
+    """A KV cache holding at most ``budget`` tokens per (batch row, KV head).
+
+    Attend first, evict after: ``update_and_fetch`` returns every kept row plus
+    the whole incoming block, then cuts the stored state back to the budget.
+    Over budget it keeps the ``budget`` smallest ``(score, position)`` pairs
+    among evictable tokens, where score is the key's L2 norm (``keep="low"``),
+    its negation (``"high"``), a random draw (``"random"``) or the negated
+    position (``"recent"``). The first ``n_sink`` positions and the last
+    ``recent`` positions are never evicted. Scores are computed once, in
+    float32, when a token is inserted.
+    """
+
+    def __init__(self, budget: int = 512, n_sink: int = 4, recent: int = 0, keep: str = "low"):
+        validate_eviction_args(budget, n_sink, recent, keep)
+        self.budget, self.n_sink, self.recent, self.keep = budget, n_sink, recent, keep
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+        self.prio: Optional[mx.array] = None  # int32 ranking score per slot
+        self.pos: Optional[mx.array] = None  # int32 absolute position per slot
+        # A decode step over budget leaves one logically evicted slot per head;
+        # the next token is written there, so no step sorts or concatenates.
+        self.free: Optional[mx.array] = None
+        self.count = 0  # rows held per (batch row, head)
+        self.offset = 0  # absolute positions processed (RoPE needs the true one)
+        self.pinned = False
+
+    # ---- mlx_lm protocol -------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        n = keys.shape[2]
+        pos = mx.broadcast_to(
+            mx.arange(self.offset, self.offset + n, dtype=mx.int32), keys.shape[:3]
+        )
+        prio = self._score(keys, pos)
+        self.offset += n
+        if self.pinned or self.count + n <= self.budget:
+            self._compact()
+            self._append(keys, values, prio, pos)
+            return self.keys[..., : self.count, :], self.values[..., : self.count, :]
+        if n == 1:
+            return self._decode_over_budget(keys, values, prio, pos)
+        return self._block_over_budget(keys, values, prio, pos)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        # Rows are returned as (kept rows, then the block), so a mask aligned to
+        # the rows held is exact; "causal" is bottom-right aligned by MLX.
+        return create_attention_mask(N, offset=self.count, return_array=return_array, window_size=window_size)
+
+    @property
+    def state(self):
+        return (
+            self.keys, self.values, self.prio, self.pos, self.free,
+            self.count, self.offset, self.budget, self.n_sink, self.recent, self.keep, int(self.pinned),
+        )
+
+    @state.setter
+    def state(self, v):
+        (self.keys, self.values, self.prio, self.pos, self.free,
+         self.count, self.offset, self.budget, self.n_sink, self.recent, self.keep, pinned) = v
+        self.pinned = bool(pinned)
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        return tuple(str(x) for x in (self.count, self.offset, self.budget, self.n_sink,
+                                      self.recent, self.keep, int(self.pinned)))
+
+    @meta_state.setter
+    def meta_state(self, v: Sequence[str]) -> None:
+        count, offset, budget, n_sink, recent, keep, pinned = v
+        self.count, self.offset, self.budget = int(count), int(offset), int(budget)
+        self.n_sink, self.recent, self.keep, self.pinned = int(n_sink), int(recent), keep, bool(int(pinned))
+
+    def size(self) -> int:
+        return self.count
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated now (buffers, scores and positions)."""
+        if self.keys is None:
+            return 0
+        return sum(a.nbytes for a in (self.keys, self.values, self.prio, self.pos))
+
+    def is_trimmable(self) -> bool:
+        # Trimming is only honest while nothing has been evicted: an evicted
+        # token cannot be brought back.
+        return self.count == self.offset and self.free is None
+
+    def trim(self, n: int) -> int:
+        if not self.is_trimmable():
+            return 0
+        n = min(self.count, n)
+        self.count -= n
+        self.offset -= n
+        return n
+
+    # ---- stats ---------------------------------------------------------------
+    @property
+    def tokens_seen(self) -> int:
+        return self.offset
+
+    @property
+    def tokens_kept(self) -> int:
+        return self.count
+
+    @property
+    def evictions(self) -> int:
+        """Tokens evicted so far, per (batch row, KV head)."""
+        return self.offset - self.count
+
+    def _row_bytes(self) -> int:
+        if self.keys is None:
+            return 0
+        b, h, _, dk = self.keys.shape
+        return b * h * (dk * self.keys.dtype.size + self.values.shape[3] * self.values.dtype.size)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Key and value bytes of the rows held."""
+        return self.count * self._row_bytes()
+
+    @property
+    def full_bytes(self) -> int:
+        """Key and value bytes an unbounded cache would hold for the same tokens."""
+        return self.offset * self._row_bytes()
+
+    # ---- user-facing extras ---------------------------------------------------
+    def pin(self) -> None:
+        """Stop evicting: every later token is kept (a question over a compressed context)."""
+        self.pinned = True
+
+    def copy(self) -> "L2NormKVCache":
+        """An independent copy (MLX writes into a shared array object would leak across copies)."""
+        new = L2NormKVCache.__new__(L2NormKVCache)
+        new.state = tuple(mx.array(x) if isinstance(x, mx.array) else x for x in self.state)
+        return new
+
+    def ordered_state(self) -> tuple[mx.array, mx.array, mx.array]:
+        """Kept ``(keys, values, positions)`` per head, sorted by position."""
+        keys, values, _, pos = self._rows()
+        order = mx.argsort(pos, axis=-1)
+        return (
+            mx.take_along_axis(keys, order[..., None], axis=2),
+            mx.take_along_axis(values, order[..., None], axis=2),
+            mx.take_along_axis(pos, order, axis=-1),
+        )
+
+    # ---- internals -------------------------------------------------------------
+    def _score(self, keys: mx.array, pos: mx.array) -> mx.array:
+        """int32 ranking score, ascending = kept first. Non-negative float32 bit
+        patterns order like the values, so norms become exact integer keys."""
+        if self.keep == "recent":
+            return _INT32_MAX - pos
+        if self.keep == "random":
+            return mx.view(mx.random.uniform(shape=pos.shape, dtype=mx.float32), mx.int32)
+        norm = mx.sqrt(mx.sum(mx.square(keys.astype(mx.float32)), axis=-1))
+        bits = mx.view(norm, mx.int32)
+        return bits if self.keep == "low" else _FLOAT32_INF_BITS - bits
+
+    def _evict_key(self, prio: mx.array, pos: mx.array) -> mx.array:
+        """int64 (score, position) key; protected tokens get -1 so they rank first."""
+        protected = (pos < self.n_sink) | (pos >= self.offset - self.recent)
+        key = prio.astype(mx.int64) * _POS_SHIFT + pos.astype(mx.int64)
+        return mx.where(protected, -1, key)
+
+    def _rows(self) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """The held rows without the evicted slot (stored order, not time order)."""
+        arrays = (self.keys, self.values, self.prio, self.pos)
+        if self.free is None:
+            return tuple(a[:, :, : self.count] for a in arrays)
+        slots = mx.arange(self.count, dtype=mx.int32)
+        idx = slots + (slots >= self.free[..., None]).astype(mx.int32)
+        return (
+            mx.take_along_axis(self.keys, idx[..., None], axis=2),
+            mx.take_along_axis(self.values, idx[..., None], axis=2),
+            mx.take_along_axis(self.prio, idx, axis=-1),
+            mx.take_along_axis(self.pos, idx, axis=-1),
+        )
+
+    def _compact(self) -> None:
+        if self.free is not None:
+            self.keys, self.values, self.prio, self.pos = self._rows()
+            self.free = None
+
+    def _reserve(self, rows: int) -> None:
+        """Grow buffers to hold ``rows`` (in steps, but never past budget + 1 unless pinned)."""
+        cap = 0 if self.keys is None else self.keys.shape[2]
+        if rows <= cap:
+            return
+        new_cap = -(-rows // _STEP) * _STEP
+        if not self.pinned:
+            new_cap = min(new_cap, self.budget + 1)
+        new_cap = max(new_cap, rows)
+        grow = new_cap - cap
+        if self.keys is None:
+            raise AssertionError("_reserve called before the first block")
+        b, h = self.keys.shape[:2]
+        self.keys = mx.concatenate([self.keys[:, :, :cap], mx.zeros((b, h, grow, self.keys.shape[3]), self.keys.dtype)], axis=2)
+        self.values = mx.concatenate([self.values[:, :, :cap], mx.zeros((b, h, grow, self.values.shape[3]), self.values.dtype)], axis=2)
+        self.prio = mx.concatenate([self.prio, mx.zeros((b, h, grow), mx.int32)], axis=2)
+        self.pos = mx.concatenate([self.pos, mx.zeros((b, h, grow), mx.int32)], axis=2)
+
+    def _append(self, keys, values, prio, pos) -> None:
+        n = keys.shape[2]
+        if self.keys is None:
+            b, h = keys.shape[:2]
+            cap = max(n, min(-(-n // _STEP) * _STEP, self.budget + 1)) if not self.pinned else n
+            self.keys = mx.zeros((b, h, cap, keys.shape[3]), keys.dtype)
+            self.values = mx.zeros((b, h, cap, values.shape[3]), values.dtype)
+            self.prio = mx.zeros((b, h, cap), mx.int32)
+            self.pos = mx.zeros((b, h, cap), mx.int32)
+        else:
+            self._reserve(self.count + n)
+        start, self.count = self.count, self.count + n
+        self.keys[:, :, start : self.count] = keys
+        self.values[:, :, start : self.count] = values
+        self.prio[:, :, start : self.count] = prio
+        self.pos[:, :, start : self.count] = pos
+
+    def _decode_over_budget(self, keys, values, prio, pos):
+        if self.free is None:
+            self._reserve(self.budget + 1)
+            self.free = mx.full(keys.shape[:2], self.budget, dtype=mx.int32)
+        b, h = keys.shape[:2]
+        bi, hi = mx.arange(b)[:, None], mx.arange(h)[None, :]
+        self.keys[bi, hi, self.free] = keys[:, :, 0]
+        self.values[bi, hi, self.free] = values[:, :, 0]
+        self.prio[bi, hi, self.free] = prio[:, :, 0]
+        self.pos[bi, hi, self.free] = pos[:, :, 0]
+        rows = self.budget + 1
+        out = self.keys[:, :, :rows], self.values[:, :, :rows]
+        # Evict after attending: the largest (score, position) leaves; its slot
+        # takes the next token.
+        self.free = mx.argmax(self._evict_key(self.prio[:, :, :rows], self.pos[:, :, :rows]), axis=-1).astype(mx.int32)
+        return out
+
+    def _block_over_budget(self, keys, values, prio, pos):
+        if self.keys is None:
+            all_k, all_v, all_p, all_s = keys, values, prio, pos
+        else:
+            held = self._rows()
+            all_k, all_v, all_p, all_s = (
+                mx.concatenate([a, b], axis=2) for a, b in zip(held, (keys, values, prio, pos))
+            )
+        keep = mx.argpartition(self._evict_key(all_p, all_s), kth=self.budget - 1, axis=-1)[..., : self.budget]
+        b, h = keys.shape[:2]
+        spare_k = mx.zeros((b, h, 1, keys.shape[3]), keys.dtype)
+        spare_v = mx.zeros((b, h, 1, values.shape[3]), values.dtype)
+        self.keys = mx.concatenate([mx.take_along_axis(all_k, keep[..., None], axis=2), spare_k], axis=2)
+        self.values = mx.concatenate([mx.take_along_axis(all_v, keep[..., None], axis=2), spare_v], axis=2)
+        zero = mx.zeros((b, h, 1), mx.int32)
+        self.prio = mx.concatenate([mx.take_along_axis(all_p, keep, axis=-1), zero], axis=2)
+        self.pos = mx.concatenate([mx.take_along_axis(all_s, keep, axis=-1), zero], axis=2)
+        self.count, self.free = self.budget, None
+        return all_k, all_v
+
+
+# load_prompt_cache rebuilds caches by class name from mlx_lm's cache module.
+_mlx_cache.L2NormKVCache = L2NormKVCache
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    """How every compressed layer evicts. ``budget=None`` means no eviction."""
+
+    budget: Optional[int] = 512
+    n_sink: int = 4
+    recent: int = 0
+    keep: str = "low"
+    skip_layers: tuple[int, ...] = (0, 1)
+
+    def __post_init__(self):
+        object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
+        for i in self.skip_layers:
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise ValueError(f"skip_layers must hold layer indices (integers), got {i!r}")
+        if self.budget is not None:
+            validate_eviction_args(self.budget, self.n_sink, self.recent, self.keep)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["skip_layers"] = list(self.skip_layers)
+        return d
+
+
+def make_eviction_cache(model: nn.Module, config: EvictionConfig | None = None) -> list:
+    """A fresh per-layer cache list: the model's own caches, with each plain
+    full-attention ``KVCache`` outside ``skip_layers`` replaced by an
+    ``L2NormKVCache``. Rotating (sliding-window) and non-attention caches stay."""
+    config = config or EvictionConfig()
+    caches = make_prompt_cache(model)
+    if config.budget is None:
+        return caches
+    n = len(caches)
+    skip = set()
+    for i in config.skip_layers:
+        if not -n <= i < n:
+            raise ValueError(f"skip_layers index {i} is out of range for a model with {n} layers")
+        skip.add(i % n)
+    return [
+        L2NormKVCache(config.budget, config.n_sink, config.recent, config.keep)
+        if type(c) is KVCache and i not in skip
+        else c
+        for i, c in enumerate(caches)
+    ]
+
+
+@dataclass
+class CacheStats:
+    """Totals over a cache list. Bytes are keys + values over all layers."""
+
+    tokens_seen: int
+    tokens_kept: int
+    kept_bytes: int
+    full_bytes: int
+    compressed_layers: int
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.full_bytes / self.kept_bytes if self.kept_bytes else 1.0
+
+
+def _layer_bytes(c: Any) -> tuple[int, int, int]:
+    """(tokens_seen, kept_bytes, full_bytes) of one layer's cache."""
+    if isinstance(c, L2NormKVCache):
+        return c.tokens_seen, c.kept_bytes, c.full_bytes
+    keys = getattr(c, "keys", None)
+    offset = getattr(c, "offset", None)
+    if isinstance(keys, mx.array) and isinstance(offset, int) and keys.shape[2]:
+        row = (keys.nbytes + c.values.nbytes) // keys.shape[2]
+        return offset, c.size() * row, offset * row
+    nbytes = 0 if c.empty() else c.nbytes
+    return (offset or 0), nbytes, nbytes
+
+
+def cache_stats(caches: Iterable[Any]) -> CacheStats:
+    """Honest accounting over every layer (skipped layers count at full size)."""
+    seen = kept = kept_b = full_b = compressed = 0
+    for c in caches:
+        s, kb, fb = _layer_bytes(c)
+        seen = max(seen, s)
+        kept_b += kb
+        full_b += fb
+        if isinstance(c, L2NormKVCache):
+            compressed += 1
+            kept = max(kept, c.tokens_kept)
+    return CacheStats(seen, kept if compressed else seen, kept_b, full_b, compressed)

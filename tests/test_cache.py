@@ -1,0 +1,311 @@
+"""L2NormKVCache against independent references: plain KVCache runs, numpy
+rankings of recorded keys, and explicit-mask attention."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
+
+from knorm_gen import EvictionConfig, L2NormKVCache, cache_stats, make_eviction_cache
+
+from .conftest import random_tokens, tiny_llama
+
+
+class RecordingCache(L2NormKVCache):
+    """Records every key block offered to the cache (post-RoPE), in arrival order."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen_keys = []
+
+    def update_and_fetch(self, keys, values):
+        self.seen_keys.append(np.array(keys))
+        return super().update_and_fetch(keys, values)
+
+
+def recording_caches(model, budget, n_sink=4, recent=0, keep="low", skip=()):
+    n = len(model.layers)
+    return [KVCache() if i in skip else RecordingCache(budget, n_sink, recent, keep) for i in range(n)]
+
+
+def feed(model, caches, tokens, splits):
+    """Feed ``tokens`` in blocks of the given sizes; return the last logits."""
+    start = 0
+    logits = None
+    for size in splits:
+        logits = model(tokens[None, start : start + size], cache=caches)
+        mx.eval(logits, [c.state for c in caches])
+        start += size
+    assert start == tokens.size
+    return logits
+
+
+def random_splits(total, rng, max_block=24):
+    splits = []
+    while sum(splits) < total:
+        splits.append(int(min(rng.integers(1, max_block + 1), total - sum(splits))))
+    return splits
+
+
+def check_kept(all_keys, got, budget, n_sink, recent, keep, rel=1e-5):
+    """Independent check of one cache's kept positions against the recorded keys.
+
+    RoPE is a rotation, so two copies of a key differ in norm only by float
+    rounding (~1e-7); near-ties may fall either way, so the ranking is checked
+    as an inequality with a small relative tolerance, and exact otherwise.
+    """
+    b, h, t, _ = all_keys.shape
+    norms = np.linalg.norm(all_keys.astype(np.float64), axis=-1)
+    for bi in range(b):
+        for hi in range(h):
+            kept = set(int(p) for p in got[bi, hi])
+            assert len(kept) == min(t, budget), "kept count"
+            if t <= budget:
+                assert kept == set(range(t))
+                continue
+            protected = {p for p in range(t) if p < n_sink or p >= t - recent}
+            assert protected <= kept, f"protected tokens evicted in head {hi}"
+            rest_kept = sorted(kept - protected)
+            evicted = sorted(set(range(t)) - kept)
+            if keep == "recent":
+                assert max(evicted) < min(rest_kept)
+                continue
+            score = norms[bi, hi] if keep == "low" else -norms[bi, hi]
+            worst_kept = max(score[p] for p in rest_kept)
+            best_evicted = min(score[p] for p in evicted)
+            assert worst_kept <= best_evicted + rel * abs(best_evicted), (
+                f"head {hi}: kept score {worst_kept} > evicted score {best_evicted}"
+            )
+
+
+def kept_positions(cache):
+    _, _, pos = cache.ordered_state()
+    return np.array(pos)
+
+
+def test_budget_above_tokens_matches_plain_kvcache(tiny_model):
+    tokens = random_tokens(40, seed=1)
+    ours = make_eviction_cache(tiny_model, EvictionConfig(budget=64, skip_layers=()))
+    ref = [KVCache() for _ in tiny_model.layers]
+    splits = [7, 16, 1, 1, 9, 1, 5]
+    for a, b in ((ours, None), (ref, None)):
+        pass
+    la = feed(tiny_model, ours, tokens, splits)
+    lb = feed(tiny_model, ref, tokens, splits)
+    np.testing.assert_allclose(np.array(la), np.array(lb), rtol=1e-5, atol=1e-5)
+    # then decode a few steps
+    for t in [3, 5, 8]:
+        x = mx.array([[t]])
+        np.testing.assert_allclose(np.array(tiny_model(x, cache=ours)), np.array(tiny_model(x, cache=ref)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "budget,n_sink,recent,keep,seed",
+    [
+        (16, 4, 0, "low", 0),
+        (16, 4, 0, "low", 1),
+        (20, 2, 5, "low", 2),
+        (16, 0, 0, "low", 3),
+        (16, 4, 0, "high", 4),
+        (12, 4, 0, "recent", 5),
+    ],
+)
+def test_kept_set_matches_numpy_ranking(budget, n_sink, recent, keep, seed):
+    model = tiny_llama(layers=3, seed=seed)
+    rng = np.random.default_rng(seed)
+    tokens = random_tokens(70, seed=seed)
+    caches = recording_caches(model, budget, n_sink, recent, keep)
+    feed(model, caches, tokens, random_splits(tokens.size, rng))
+    for layer, c in enumerate(caches):
+        all_keys = np.concatenate(c.seen_keys, axis=2)
+        got = kept_positions(c)
+        assert c.tokens_kept == budget and got.shape[-1] == budget
+        check_kept(all_keys, got, budget, n_sink, recent, keep)
+
+
+def test_exact_norm_ties_break_by_position():
+    # Keys fed straight to the cache (no RoPE), so duplicates tie exactly;
+    # the earlier position must win, independent of the block split.
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=(3, 8)).astype(np.float32)
+    ids = np.array([0, 1, 0, 2, 1, 0, 0, 2, 1, 1, 0, 2, 2, 0])
+    keys = mx.array(base[ids][None, None])  # (1, 1, 14, 8)
+    for splits in ([14], [1] * 14, [3, 4, 1, 6]):
+        cache = L2NormKVCache(budget=6, n_sink=1)
+        start = 0
+        for size in splits:
+            cache.update_and_fetch(keys[:, :, start : start + size], keys[:, :, start : start + size])
+            start += size
+        norms = np.linalg.norm(base.astype(np.float64), axis=-1)[ids]
+        ranked = sorted(range(1, 14), key=lambda p: (norms[p], p))
+        assert list(kept_positions(cache)[0, 0]) == sorted([0] + ranked[:5]), splits
+
+
+def test_path_independence_block_vs_token_by_token():
+    # One layer, no skipped layers: the key stream is the same on both paths.
+    model = tiny_llama(layers=1, seed=3)
+    tokens = random_tokens(50, seed=3, repeat=False)
+    block = recording_caches(model, budget=16)
+    single = recording_caches(model, budget=16)
+    feed(model, block, tokens, [50])
+    feed(model, single, tokens, [1] * 50)
+    assert block[0].offset == single[0].offset == 50
+    np.testing.assert_array_equal(kept_positions(block[0]), kept_positions(single[0]))
+    nxt = mx.array([[11]])
+    np.testing.assert_allclose(
+        np.array(model(nxt, cache=block)), np.array(model(nxt, cache=single)), rtol=1e-4, atol=1e-4
+    )
+
+
+class FrozenRowsCache:
+    """Reference: given kept rows, attend over (rows + block) with an explicit causal mask."""
+
+    def __init__(self, keys, values, offset):
+        self.keys, self.values, self.offset = keys, values, offset
+
+    def make_mask(self, N, **_):
+        c = self.keys.shape[2]
+        q = np.arange(N)[:, None]
+        k = np.arange(c + N)[None, :]
+        return mx.array((k < c) | (k - c <= q))
+
+    def update_and_fetch(self, keys, values):
+        self.offset += keys.shape[2]
+        return mx.concatenate([self.keys, keys], axis=2), mx.concatenate([self.values, values], axis=2)
+
+
+def test_block_over_budget_attends_to_kept_rows_and_whole_block(tiny_model):
+    tokens = random_tokens(60, seed=11, repeat=False)
+    ours = make_eviction_cache(tiny_model, EvictionConfig(budget=12, n_sink=2, skip_layers=()))
+    feed(tiny_model, ours, tokens[:30], [10, 20])
+    for c in ours:
+        assert c.tokens_kept == 12
+    # a decode step leaves an evicted slot, so the block path starts from it
+    feed(tiny_model, ours, tokens[30:31], [1])
+    ref = []
+    for c in ours:
+        k, v, _ = c.ordered_state()
+        ref.append(FrozenRowsCache(k, v, c.offset))
+    block = tokens[None, 31:55]  # 24 tokens: more than the budget by itself
+    want = tiny_model(block, cache=ref)
+    got = tiny_model(block, cache=ours)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+    assert all(c.offset == 55 and c.tokens_kept == 12 for c in ours)
+
+
+def test_offset_and_rope_positions_never_change():
+    model = tiny_llama(layers=2, seed=5)
+    tokens = random_tokens(66, seed=5)
+    caches = recording_caches(model, budget=10, n_sink=2, recent=3)
+    seen = 0
+    for size in [5, 1, 1, 9, 1, 20, 1, 1, 26]:
+        feed(model, caches, tokens[seen : seen + size], [size])
+        seen += size
+        for c in caches:
+            assert c.offset == seen
+            all_keys = np.concatenate(c.seen_keys, axis=2)
+            keys, _, pos = c.ordered_state()
+            keys, pos = np.array(keys), np.array(pos)
+            for hi in range(pos.shape[1]):
+                np.testing.assert_array_equal(keys[0, hi], all_keys[0, hi, pos[0, hi]])
+
+
+def test_save_load_round_trip_continues_identically(tmp_path, tiny_model):
+    tokens = random_tokens(40, seed=2)
+    caches = make_eviction_cache(tiny_model, EvictionConfig(budget=10, skip_layers=(0,)))
+    feed(tiny_model, caches, tokens[:35], [20, 15])
+    feed(tiny_model, caches, tokens[35:], [1] * 5)  # leaves evicted slots in place
+    path = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(path, caches)
+    loaded = load_prompt_cache(path)
+    assert [type(c).__name__ for c in loaded] == [type(c).__name__ for c in caches]
+    for step in [4, 9, 1, 7]:
+        x = mx.array([[step]])
+        a, b = tiny_model(x, cache=caches), tiny_model(x, cache=loaded)
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    a = tiny_model(tokens[None, :6], cache=caches)
+    b = tiny_model(tokens[None, :6], cache=loaded)
+    np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+def test_make_eviction_cache_keeps_sliding_window_layers_and_skips():
+    types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    model = tiny_llama(layers=4, layer_types=types, sliding_window=8)
+    caches = make_eviction_cache(model, EvictionConfig(budget=16, skip_layers=(2,)))
+    assert isinstance(caches[0], L2NormKVCache)
+    assert isinstance(caches[1], RotatingKVCache) and caches[1].max_size == 8
+    assert type(caches[2]) is KVCache
+    assert isinstance(caches[3], RotatingKVCache)
+    again = make_eviction_cache(model, EvictionConfig(budget=16, skip_layers=(2,)))
+    assert all(a is not b for a, b in zip(caches, again))
+    # the mixed model runs through the eviction cache
+    tokens = random_tokens(40, seed=4)
+    feed(model, caches, tokens, [30, 1, 1, 8])
+    assert caches[0].tokens_kept == 16 and caches[0].offset == 40
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(budget=0), "budget"),
+        (dict(budget=8, n_sink=4, recent=4), "n_sink + recent"),
+        (dict(budget=8, keep="middle"), "keep"),
+        (dict(budget=8, n_sink=-1), "n_sink"),
+        (dict(budget=8, recent=-2), "recent"),
+        (dict(budget=2.5), "budget"),
+    ],
+)
+def test_invalid_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field.replace("+", r"\+")):
+        EvictionConfig(**kwargs)
+    with pytest.raises(ValueError, match=field.replace("+", r"\+")):
+        L2NormKVCache(**kwargs)
+
+
+def test_skip_layer_out_of_range(tiny_model):
+    with pytest.raises(ValueError, match="skip_layers"):
+        make_eviction_cache(tiny_model, EvictionConfig(budget=8, skip_layers=(9,)))
+
+
+def test_stats_match_independent_byte_count(tiny_model):
+    tokens = random_tokens(50, seed=6)
+    caches = make_eviction_cache(tiny_model, EvictionConfig(budget=16, skip_layers=(0,)))
+    feed(tiny_model, caches, tokens, [32, 1, 1, 16])
+    b, h, d, itemsize = 1, 2, 16, 4
+    row = b * h * d * 2 * itemsize
+    n_layers = len(tiny_model.layers)
+    full = n_layers * 50 * row
+    kept = 50 * row + (n_layers - 1) * 16 * row
+    s = cache_stats(caches)
+    assert (s.tokens_seen, s.tokens_kept) == (50, 16)
+    assert (s.full_bytes, s.kept_bytes) == (full, kept)
+    assert s.compression_ratio == pytest.approx(full / kept)
+    assert caches[1].evictions == 50 - 16
+
+
+def test_copy_is_independent_and_pin_stops_eviction(tiny_model):
+    tokens = random_tokens(30, seed=8)
+    caches = make_eviction_cache(tiny_model, EvictionConfig(budget=8, skip_layers=()))
+    feed(tiny_model, caches, tokens[:20], [19, 1])
+    copies = [c.copy() for c in caches]
+    before = [kept_positions(c) for c in caches]
+    for c in copies:
+        c.pin()
+    feed(tiny_model, copies, tokens[20:], [4, 1, 5])
+    for c, b in zip(caches, before):
+        np.testing.assert_array_equal(kept_positions(c), b)
+        assert c.offset == 20
+    for c, b in zip(copies, before):
+        pos = kept_positions(c)
+        assert c.tokens_kept == 8 + 10
+        np.testing.assert_array_equal(pos[..., :8], b)
+        np.testing.assert_array_equal(pos[0, 0, 8:], np.arange(20, 30))
+
+
+def test_trim_only_before_eviction(tiny_model):
+    c = L2NormKVCache(budget=8, n_sink=1)
+    k = mx.random.normal((1, 2, 6, 16))
+    c.update_and_fetch(k, k)
+    assert c.is_trimmable() and c.trim(2) == 2 and c.offset == 4 and c.size() == 4
+    c.update_and_fetch(mx.random.normal((1, 2, 9, 16)), mx.random.normal((1, 2, 9, 16)))
+    assert not c.is_trimmable() and c.trim(3) == 0 and c.offset == 13
