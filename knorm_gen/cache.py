@@ -22,6 +22,7 @@ _STEP = 256
 _FLOAT32_INF_BITS = 0x7F800000
 _INT32_MAX = 2**31 - 1
 _POS_SHIFT = 1 << 32
+_POS_MASK = (1 << 32) - 1
 
 
 def validate_eviction_args(budget: Any, n_sink: Any, recent: Any, keep: Any) -> None:
@@ -62,8 +63,9 @@ class L2NormKVCache(_BaseCache):
         self.budget, self.n_sink, self.recent, self.keep = budget, n_sink, recent, keep
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
-        self.prio: Optional[mx.array] = None  # int32 ranking score per slot
-        self.pos: Optional[mx.array] = None  # int32 absolute position per slot
+        # int64 per slot: (score bits << 32) | position, so one integer compare
+        # ranks by score and breaks ties by position; sinks are negative.
+        self.rank: Optional[mx.array] = None
         # A decode step over budget leaves one logically evicted slot per head;
         # the next token is written there, so no step sorts or concatenates.
         self.free: Optional[mx.array] = None
@@ -74,18 +76,15 @@ class L2NormKVCache(_BaseCache):
     # ---- mlx_lm protocol -------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         n = keys.shape[2]
-        pos = mx.broadcast_to(
-            mx.arange(self.offset, self.offset + n, dtype=mx.int32), keys.shape[:3]
-        )
-        prio = self._score(keys, pos)
+        rank = self._rank(keys, self.offset)
         self.offset += n
         if self.pinned or self.count + n <= self.budget:
             self._compact()
-            self._append(keys, values, prio, pos)
+            self._append(keys, values, rank)
             return self.keys[..., : self.count, :], self.values[..., : self.count, :]
         if n == 1:
-            return self._decode_over_budget(keys, values, prio, pos)
-        return self._block_over_budget(keys, values, prio, pos)
+            return self._decode_over_budget(keys, values, rank)
+        return self._block_over_budget(keys, values, rank)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         # Rows are returned as (kept rows, then the block), so a mask aligned to
@@ -95,13 +94,13 @@ class L2NormKVCache(_BaseCache):
     @property
     def state(self):
         return (
-            self.keys, self.values, self.prio, self.pos, self.free,
+            self.keys, self.values, self.rank, self.free,
             self.count, self.offset, self.budget, self.n_sink, self.recent, self.keep, int(self.pinned),
         )
 
     @state.setter
     def state(self, v):
-        (self.keys, self.values, self.prio, self.pos, self.free,
+        (self.keys, self.values, self.rank, self.free,
          self.count, self.offset, self.budget, self.n_sink, self.recent, self.keep, pinned) = v
         self.pinned = bool(pinned)
 
@@ -124,10 +123,10 @@ class L2NormKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated now (buffers, scores and positions)."""
+        """Bytes allocated now (key/value buffers and ranks)."""
         if self.keys is None:
             return 0
-        return sum(a.nbytes for a in (self.keys, self.values, self.prio, self.pos))
+        return self.keys.nbytes + self.values.nbytes + self.rank.nbytes
 
     def is_trimmable(self) -> bool:
         # Trimming is only honest while nothing has been evicted: an evicted
@@ -185,7 +184,8 @@ class L2NormKVCache(_BaseCache):
 
     def ordered_state(self) -> tuple[mx.array, mx.array, mx.array]:
         """Kept ``(keys, values, positions)`` per head, sorted by position."""
-        keys, values, _, pos = self._rows()
+        keys, values, rank = self._rows()
+        pos = _positions(rank)
         order = mx.argsort(pos, axis=-1)
         return (
             mx.take_along_axis(keys, order[..., None], axis=2),
@@ -194,113 +194,116 @@ class L2NormKVCache(_BaseCache):
         )
 
     # ---- internals -------------------------------------------------------------
-    def _score(self, keys: mx.array, pos: mx.array) -> mx.array:
-        """int32 ranking score, ascending = kept first. Non-negative float32 bit
-        patterns order like the values, so norms become exact integer keys."""
+    def _rank(self, keys: mx.array, start: int) -> mx.array:
+        """int64 rank per incoming token; ascending = kept first.
+
+        Non-negative float32 bit patterns order like the values, so the
+        squared key norm becomes an exact integer score.
+        """
+        n = keys.shape[2]
+        pos = start if n == 1 else mx.arange(start, start + n, dtype=mx.int64)
         if self.keep == "recent":
-            return _INT32_MAX - pos
-        if self.keep == "random":
-            return mx.view(mx.random.uniform(shape=pos.shape, dtype=mx.float32), mx.int32)
-        norm = mx.sqrt(mx.sum(mx.square(keys.astype(mx.float32)), axis=-1))
-        bits = mx.view(norm, mx.int32)
-        return bits if self.keep == "low" else _FLOAT32_INF_BITS - bits
+            score = _INT32_MAX - mx.broadcast_to(mx.array(pos, dtype=mx.int64), keys.shape[:3])
+        elif self.keep == "random":
+            score = mx.view(mx.random.uniform(shape=keys.shape[:3], dtype=mx.float32), mx.int32).astype(mx.int64)
+        else:
+            sq = mx.sum(mx.square(keys.astype(mx.float32)), axis=-1)
+            score = mx.view(sq, mx.int32).astype(mx.int64)
+            if self.keep == "high":
+                score = _FLOAT32_INF_BITS - score
+        rank = score * _POS_SHIFT + pos
+        if start < self.n_sink:
+            pos = mx.arange(start, start + n, dtype=mx.int64)
+            rank = mx.where(pos < self.n_sink, pos - _POS_SHIFT, rank)
+        return rank
 
-    def _evict_key(self, prio: mx.array, pos: mx.array) -> mx.array:
-        """int64 (score, position) key; protected tokens get -1 so they rank first."""
-        protected = (pos < self.n_sink) | (pos >= self.offset - self.recent)
-        key = prio.astype(mx.int64) * _POS_SHIFT + pos.astype(mx.int64)
-        return mx.where(protected, -1, key)
+    def _evict_key(self, rank: mx.array) -> mx.array:
+        if self.recent == 0:
+            return rank
+        return mx.where(_positions(rank) >= self.offset - self.recent, -1, rank)
 
-    def _rows(self) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    def _rows(self) -> tuple[mx.array, mx.array, mx.array]:
         """The held rows without the evicted slot (stored order, not time order)."""
-        arrays = (self.keys, self.values, self.prio, self.pos)
         if self.free is None:
-            return tuple(a[:, :, : self.count] for a in arrays)
+            return tuple(a[:, :, : self.count] for a in (self.keys, self.values, self.rank))
         slots = mx.arange(self.count, dtype=mx.int32)
         idx = slots + (slots >= self.free[..., None]).astype(mx.int32)
         return (
             mx.take_along_axis(self.keys, idx[..., None], axis=2),
             mx.take_along_axis(self.values, idx[..., None], axis=2),
-            mx.take_along_axis(self.prio, idx, axis=-1),
-            mx.take_along_axis(self.pos, idx, axis=-1),
+            mx.take_along_axis(self.rank, idx, axis=-1),
         )
 
     def _compact(self) -> None:
         if self.free is not None:
-            self.keys, self.values, self.prio, self.pos = self._rows()
+            self.keys, self.values, self.rank = self._rows()
             self.free = None
 
-    def _reserve(self, rows: int) -> None:
-        """Grow buffers to hold ``rows`` (in steps, but never past budget + 1 unless pinned)."""
-        cap = 0 if self.keys is None else self.keys.shape[2]
-        if rows <= cap:
-            return
-        new_cap = -(-rows // _STEP) * _STEP
-        if not self.pinned:
-            new_cap = min(new_cap, self.budget + 1)
-        new_cap = max(new_cap, rows)
-        grow = new_cap - cap
-        if self.keys is None:
-            raise AssertionError("_reserve called before the first block")
-        b, h = self.keys.shape[:2]
-        self.keys = mx.concatenate([self.keys[:, :, :cap], mx.zeros((b, h, grow, self.keys.shape[3]), self.keys.dtype)], axis=2)
-        self.values = mx.concatenate([self.values[:, :, :cap], mx.zeros((b, h, grow, self.values.shape[3]), self.values.dtype)], axis=2)
-        self.prio = mx.concatenate([self.prio, mx.zeros((b, h, grow), mx.int32)], axis=2)
-        self.pos = mx.concatenate([self.pos, mx.zeros((b, h, grow), mx.int32)], axis=2)
+    def _capacity(self, rows: int) -> int:
+        cap = -(-rows // _STEP) * _STEP
+        return cap if self.pinned else max(rows, min(cap, self.budget + 1))
 
-    def _append(self, keys, values, prio, pos) -> None:
+    def _append(self, keys, values, rank) -> None:
         n = keys.shape[2]
-        if self.keys is None:
+        cap = 0 if self.keys is None else self.keys.shape[2]
+        if self.count + n > cap:
             b, h = keys.shape[:2]
-            cap = max(n, min(-(-n // _STEP) * _STEP, self.budget + 1)) if not self.pinned else n
-            self.keys = mx.zeros((b, h, cap, keys.shape[3]), keys.dtype)
-            self.values = mx.zeros((b, h, cap, values.shape[3]), values.dtype)
-            self.prio = mx.zeros((b, h, cap), mx.int32)
-            self.pos = mx.zeros((b, h, cap), mx.int32)
-        else:
-            self._reserve(self.count + n)
+            grow = self._capacity(self.count + n) - cap
+            new = (
+                mx.zeros((b, h, grow, keys.shape[3]), keys.dtype),
+                mx.zeros((b, h, grow, values.shape[3]), values.dtype),
+                mx.zeros((b, h, grow), mx.int64),
+            )
+            if self.keys is None:
+                self.keys, self.values, self.rank = new
+            else:
+                self.keys, self.values, self.rank = (
+                    mx.concatenate([a, z], axis=2) for a, z in zip((self.keys, self.values, self.rank), new)
+                )
         start, self.count = self.count, self.count + n
         self.keys[:, :, start : self.count] = keys
         self.values[:, :, start : self.count] = values
-        self.prio[:, :, start : self.count] = prio
-        self.pos[:, :, start : self.count] = pos
+        self.rank[:, :, start : self.count] = rank
 
-    def _decode_over_budget(self, keys, values, prio, pos):
-        if self.free is None:
-            self._reserve(self.budget + 1)
-            self.free = mx.full(keys.shape[:2], self.budget, dtype=mx.int32)
-        b, h = keys.shape[:2]
-        bi, hi = mx.arange(b)[:, None], mx.arange(h)[None, :]
-        self.keys[bi, hi, self.free] = keys[:, :, 0]
-        self.values[bi, hi, self.free] = values[:, :, 0]
-        self.prio[bi, hi, self.free] = prio[:, :, 0]
-        self.pos[bi, hi, self.free] = pos[:, :, 0]
+    def _decode_over_budget(self, keys, values, rank):
         rows = self.budget + 1
-        out = self.keys[:, :, :rows], self.values[:, :, :rows]
-        # Evict after attending: the largest (score, position) leaves; its slot
-        # takes the next token.
-        self.free = mx.argmax(self._evict_key(self.prio[:, :, :rows], self.pos[:, :, :rows]), axis=-1).astype(mx.int32)
-        return out
-
-    def _block_over_budget(self, keys, values, prio, pos):
-        if self.keys is None:
-            all_k, all_v, all_p, all_s = keys, values, prio, pos
+        if self.free is None:
+            if self.keys.shape[2] < rows:
+                self._append(keys, values, rank)  # fills the spare slot
+                self.count -= 1
+            else:
+                self.keys[:, :, self.budget : rows] = keys
+                self.values[:, :, self.budget : rows] = values
+                self.rank[:, :, self.budget : rows] = rank
         else:
-            held = self._rows()
-            all_k, all_v, all_p, all_s = (
-                mx.concatenate([a, b], axis=2) for a, b in zip(held, (keys, values, prio, pos))
+            slot = self.free[..., None, None]
+            self.keys = mx.put_along_axis(self.keys, slot, keys, axis=2)
+            self.values = mx.put_along_axis(self.values, slot, values, axis=2)
+            self.rank = mx.put_along_axis(self.rank, slot[..., 0], rank.reshape(slot.shape[:-1]), axis=2)
+        # Evict after attending: the largest rank leaves; its slot takes the next token.
+        self.free = mx.argmax(self._evict_key(self.rank[:, :, :rows]), axis=-1)
+        return self.keys[:, :, :rows], self.values[:, :, :rows]
+
+    def _block_over_budget(self, keys, values, rank):
+        if self.keys is None:
+            all_k, all_v, all_r = keys, values, rank
+        else:
+            all_k, all_v, all_r = (
+                mx.concatenate([a, b], axis=2) for a, b in zip(self._rows(), (keys, values, rank))
             )
-        keep = mx.argpartition(self._evict_key(all_p, all_s), kth=self.budget - 1, axis=-1)[..., : self.budget]
+        keep = mx.argpartition(self._evict_key(all_r), kth=self.budget - 1, axis=-1)[..., : self.budget]
         b, h = keys.shape[:2]
-        spare_k = mx.zeros((b, h, 1, keys.shape[3]), keys.dtype)
-        spare_v = mx.zeros((b, h, 1, values.shape[3]), values.dtype)
-        self.keys = mx.concatenate([mx.take_along_axis(all_k, keep[..., None], axis=2), spare_k], axis=2)
-        self.values = mx.concatenate([mx.take_along_axis(all_v, keep[..., None], axis=2), spare_v], axis=2)
-        zero = mx.zeros((b, h, 1), mx.int32)
-        self.prio = mx.concatenate([mx.take_along_axis(all_p, keep, axis=-1), zero], axis=2)
-        self.pos = mx.concatenate([mx.take_along_axis(all_s, keep, axis=-1), zero], axis=2)
+        self.keys = mx.concatenate(
+            [mx.take_along_axis(all_k, keep[..., None], axis=2), mx.zeros((b, h, 1, keys.shape[3]), keys.dtype)], axis=2)
+        self.values = mx.concatenate(
+            [mx.take_along_axis(all_v, keep[..., None], axis=2), mx.zeros((b, h, 1, values.shape[3]), values.dtype)], axis=2)
+        self.rank = mx.concatenate([mx.take_along_axis(all_r, keep, axis=-1), mx.zeros((b, h, 1), mx.int64)], axis=2)
         self.count, self.free = self.budget, None
         return all_k, all_v
+
+
+def _positions(rank: mx.array) -> mx.array:
+    return mx.bitwise_and(rank, _POS_MASK).astype(mx.int32)
 
 
 # load_prompt_cache rebuilds caches by class name from mlx_lm's cache module.

