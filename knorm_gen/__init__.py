@@ -13,6 +13,13 @@ from .cache import (  # noqa: E402
     cache_stats,
     make_eviction_cache,
 )
+from .generate import (  # noqa: E402
+    GenerationResult,
+    answer_questions,
+    generate_with_eviction,
+    stream_with_eviction,
+)
+from .models import load_model  # noqa: E402
 from .runtime import runtime_info  # noqa: E402
 
 __version__ = "0.1.0"
@@ -21,7 +28,12 @@ __all__ = [
     "KEEP_MODES",
     "CacheStats",
     "EvictionConfig",
+    "GenerationResult",
     "L2NormKVCache",
+    "answer_questions",
+    "generate_with_eviction",
+    "load_model",
+    "stream_with_eviction",
     "cache_stats",
     "make_eviction_cache",
     "runtime_info",

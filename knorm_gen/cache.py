@@ -6,6 +6,7 @@ attention, so when a layer's cache is over budget we keep the lowest-norm keys.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Optional, Sequence
 
@@ -396,3 +397,25 @@ def cache_stats(caches: Iterable[Any]) -> CacheStats:
             compressed += 1
             kept = max(kept, c.tokens_kept)
     return CacheStats(seen, kept if compressed else seen, kept_b, full_b, compressed)
+
+
+def copy_caches(caches: Sequence[Any]) -> list:
+    """Independent copies of a cache list (e.g. one compressed context, many questions)."""
+
+    def dup(value):
+        if isinstance(value, mx.array):
+            return mx.array(value)
+        if isinstance(value, list):
+            return [dup(v) for v in value]
+        return value
+
+    out = []
+    for c in caches:
+        if isinstance(c, L2NormKVCache):
+            out.append(c.copy())
+            continue
+        new = copy.copy(c)
+        for name, value in vars(c).items():
+            setattr(new, name, dup(value))
+        out.append(new)
+    return out
