@@ -1,6 +1,6 @@
 """Decode speed of the eviction cache against mlx_lm's own caches, in one run.
 
-    python benchmarks/bench_cache.py                 # default model, 4096 tokens of context
+    python benchmarks/bench_cache.py                 # default model, 1k / 4k / 8k tokens of context
     python benchmarks/bench_cache.py --model tiny    # random small llama, seconds
 
 Arms: full ``KVCache``; ``RotatingKVCache(budget, keep=4)`` (what ``max_kv_size``
@@ -99,60 +99,65 @@ def eviction_cost(model, context: int, budget: int, step: int, n_compressed: int
     return best
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default", help="'default', 'tiny', or a model spec for load_model")
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--prefill-step", type=int, default=512)
-    ap.add_argument("--quick", action="store_true", help="1024 tokens of context, 24 decode steps")
-    ap.add_argument("--out", default=str(RESULTS / "cache_speed.json"))
-    args = ap.parse_args()
-    if args.quick:
-        args.context, args.decode = 1024, 24
-
-    model = load(args.model)
+def bench_context(model, context: int, budget: int, decode: int, step: int) -> dict:
+    """All arms at one context length, plus the isolated eviction cost."""
     vocab = model.args.vocab_size
-    prompt = mx.random.randint(0, vocab, (args.context,), key=mx.random.key(0)).astype(mx.int32)
+    prompt = mx.random.randint(0, vocab, (context,), key=mx.random.key(context)).astype(mx.int32)
     skip = EvictionConfig().skip_layers
     arms = {}
-    # Warm-up (kernels, allocator) so the first arm is not penalised.
-    run_arm(model, make_arm(model, "full", args.budget, skip), prompt[:256], 4, args.prefill_step)
     for arm in ("full", "rotating", "l2norm", "l2norm_default"):
-        arms[arm] = run_arm(model, make_arm(model, arm, args.budget, skip), prompt, args.decode, args.prefill_step)
-        print(f"{arm:15s} prefill {arms[arm]['prefill_tps']:8.1f} tok/s   decode {arms[arm]['decode_tps']:7.2f} tok/s"
-              f"   peak {arms[arm]['peak_memory_gb']:.3f} GB   KV {arms[arm]['kv_kept_bytes'] / 2**20:.1f} MiB")
-
-    n_compressed = len(model.layers)
-    evict_s = eviction_cost(model, args.context, args.budget, args.prefill_step, n_compressed)
+        arms[arm] = run_arm(model, make_arm(model, arm, budget, skip), prompt, decode, step)
+        print(f"[{context}] {arm:15s} prefill {arms[arm]['prefill_tps']:8.1f} tok/s   decode "
+              f"{arms[arm]['decode_tps']:7.2f} tok/s   peak {arms[arm]['peak_memory_gb']:.3f} GB   "
+              f"KV {arms[arm]['kv_kept_bytes'] / 2**20:.1f} MiB", flush=True)
+    evict_s = eviction_cost(model, context, budget, step, len(model.layers))
     ratios = {
         "l2norm_vs_rotating_decode": arms["l2norm"]["decode_tps"] / arms["rotating"]["decode_tps"],
         "l2norm_vs_full_decode": arms["l2norm"]["decode_tps"] / arms["full"]["decode_tps"],
         "l2norm_default_vs_full_decode": arms["l2norm_default"]["decode_tps"] / arms["full"]["decode_tps"],
         "rotating_vs_full_decode": arms["rotating"]["decode_tps"] / arms["full"]["decode_tps"],
+        "l2norm_vs_full_prefill": arms["l2norm"]["prefill_tps"] / arms["full"]["prefill_tps"],
         "eviction_share_of_prefill": evict_s / arms["l2norm"]["prefill_s"],
     }
-    print(f"decode ratio l2norm/rotating = {ratios['l2norm_vs_rotating_decode']:.3f} (target >= 0.9)")
-    print(f"decode ratio l2norm/full     = {ratios['l2norm_vs_full_decode']:.3f}")
-    print(f"eviction share of prefill    = {100 * ratios['eviction_share_of_prefill']:.2f}% "
-          f"({evict_s * 1000:.1f} ms of {arms['l2norm']['prefill_s']:.2f} s; target < 2%)")
+    print(f"[{context}] decode l2norm/rotating = {ratios['l2norm_vs_rotating_decode']:.3f} (target >= 0.9); "
+          f"l2norm/full = {ratios['l2norm_vs_full_decode']:.3f}; eviction share of prefill = "
+          f"{100 * ratios['eviction_share_of_prefill']:.2f}% ({evict_s * 1000:.1f} ms; target < 2%)", flush=True)
+    return {"context": context, "arms": arms, "eviction_s": evict_s, "ratios": ratios}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default", help="'default', 'tiny', or a model spec for load_model")
+    ap.add_argument("--contexts", default="1024,4096,8192", help="comma-separated context lengths")
+    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=48)
+    ap.add_argument("--prefill-step", type=int, default=512)
+    ap.add_argument("--quick", action="store_true", help="1024 tokens of context, 16 decode steps")
+    ap.add_argument("--out", default=str(RESULTS / "cache_speed.json"))
+    args = ap.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.quick:
+        contexts, args.decode = [1024], 16
+
+    model = load(args.model)
+    # Warm-up (kernels, allocator) so the first arm is not penalised.
+    vocab = model.args.vocab_size
+    warm = mx.random.randint(0, vocab, (256,), key=mx.random.key(1)).astype(mx.int32)
+    run_arm(model, make_arm(model, "full", args.budget, ()), warm, 4, args.prefill_step)
     out = {
         "benchmark": "cache_speed",
         "model": args.model,
-        "context": args.context,
         "budget": args.budget,
         "decode_tokens": args.decode,
         "prefill_step": args.prefill_step,
-        "skip_layers": list(skip),
-        "arms": arms,
-        "eviction_s": evict_s,
-        "ratios": ratios,
+        "skip_layers_default": list(EvictionConfig().skip_layers),
+        "contexts": [bench_context(model, c, args.budget, args.decode, args.prefill_step) for c in contexts],
         "runtime": runtime_info(),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")
+    return out
 
 
 if __name__ == "__main__":

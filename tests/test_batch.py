@@ -1,0 +1,149 @@
+"""run_batch on the real embedded model with tiny generations."""
+
+import json
+
+import pytest
+
+from knorm_gen import answer_questions, generate_with_eviction
+from knorm_gen.batch import RECORD_FIELDS, BatchOptions, BatchUsageError, get_model, run_batch
+
+OPTS = dict(budget=16, max_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def mt():
+    return get_model("default")
+
+
+def write_rows(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def read_records(path):
+    return [json.loads(line) for line in open(path, "rb")]
+
+
+def run(tmp_path, rows, name="in.jsonl", **kw):
+    options = BatchOptions(**{**OPTS, **kw.pop("options", {})})
+    inp = write_rows(tmp_path / name, rows)
+    out = str(tmp_path / "out.jsonl")
+    return run_batch(inp, out, options, progress=False, **kw), out
+
+
+def test_records_match_library_calls_and_share_one_shape(tmp_path, mt):
+    model, tok = mt
+    rows = [
+        {"id": "p", "prompt": "Name a colour.", "source": "test"},
+        {"id": "m", "messages": [{"role": "user", "content": "Say hi."}]},
+        {"id": "q", "context": "The cat is black. The dog is white.", "questions": ["What colour is the dog?", "And the cat?"]},
+        {"id": "bad", "prompt": 5},
+    ]
+    summary, out = run(tmp_path, rows)
+    p, m, q, bad = read_records(out)
+    for r in (p, m, q, bad):
+        assert tuple(r) == RECORD_FIELDS
+    ref = generate_with_eviction(model, tok, "Name a colour.", **OPTS)
+    assert p["completion"] == ref.text and p["answers"] is None
+    assert {k: p[k] for k in ("prompt_tokens", "tokens_seen", "tokens_kept", "kept_bytes", "full_bytes")} == {
+        "prompt_tokens": ref.prompt_tokens, "tokens_seen": ref.tokens_seen, "tokens_kept": 16,
+        "kept_bytes": ref.kept_bytes, "full_bytes": ref.full_bytes}
+    assert p["compression_ratio"] == pytest.approx(p["full_bytes"] / p["kept_bytes"])
+    assert p["meta"] == {"source": "test"} and p["model"] == "default" and p["error"] is None
+    assert p["config"]["budget"] == 16 and p["config"]["max_tokens"] == 2 and p["config"]["skip_layers"] == [0, 1]
+    assert m["completion"] == generate_with_eviction(model, tok, [{"role": "user", "content": "Say hi."}], **OPTS).text
+
+    refs = answer_questions(model, tok, "The cat is black. The dog is white.", ["What colour is the dog?", "And the cat?"], **OPTS)
+    assert q["completion"] is None and [a["answer"] for a in q["answers"]] == [r.text for r in refs]
+    assert [a["question"] for a in q["answers"]] == ["What colour is the dog?", "And the cat?"]
+    assert q["generated_tokens"] == sum(r.generated_tokens for r in refs)
+    assert q["tokens_seen"] == max(r.tokens_seen for r in refs)
+
+    assert bad["id"] == "bad" and bad["error"]["type"] == "invalid_row" and bad["error"]["line"] == 4
+    assert all(bad[k] is None for k in ("completion", "answers", "tokens_seen", "compression_ratio"))
+    assert bad["config"] == p["config"]
+    assert (summary.rows, summary.ok, summary.failed, summary.exit_code) == (4, 3, 1, 1)
+    assert summary.compression_min <= summary.compression_mean <= summary.compression_max
+
+
+def test_per_row_overrides(tmp_path, mt):
+    rows = [{"id": 1, "prompt": "Count to five.", "max_tokens": 1},
+            {"id": 2, "prompt": "Count to five.", "budget": None, "temperature": 0.0}]
+    _, out = run(tmp_path, rows)
+    one, full = read_records(out)
+    assert one["generated_tokens"] == 1 and one["config"]["max_tokens"] == 1
+    assert full["compression_ratio"] == 1.0 and full["config"]["budget"] is None
+    assert full["tokens_kept"] == full["tokens_seen"]
+
+
+def test_prompt_longer_than_context_is_a_record_and_the_run_goes_on(tmp_path, mt):
+    rows = [{"id": "huge", "prompt": "word " * 400_000}, {"id": "ok", "prompt": "Say yes."},
+            {"id": "conflict", "prompt": "Say no.", "budget": 4}]
+    summary, out = run(tmp_path, rows)
+    huge, ok, conflict = read_records(out)
+    assert huge["error"]["type"] == "prompt_too_long" and "longer than the model context" in huge["error"]["message"]
+    assert ok["error"] is None
+    assert conflict["error"]["type"] == "invalid_row" and "n_sink + recent must be < budget" in conflict["error"]["message"]
+    assert summary.errors == {"prompt_too_long": 1, "invalid_row": 1}
+
+
+def test_resume_skips_done_retries_failed_and_repairs_torn_line(tmp_path, mt):
+    rows = [{"id": i, "prompt": f"Say the number {i}."} for i in range(1, 5)]
+    rows[2] = {"id": 3, "prompt": ""}  # fails
+    summary, out = run(tmp_path, rows)
+    assert (summary.ok, summary.failed) == (3, 1)
+    first = open(out, "rb").read().splitlines(keepends=True)
+    with open(out, "ab") as f:
+        f.write(b'{"id": 9, "completion": "tor')  # a kill mid-write
+    rows[2] = {"id": 3, "prompt": "Say three."}  # fixed input
+    rows.append({"id": 5, "prompt": "Say five."})
+    summary, out = run(tmp_path, rows)
+    assert (summary.rows, summary.skipped, summary.ok, summary.failed) == (5, 3, 2, 0)
+    lines = open(out, "rb").read().splitlines(keepends=True)
+    kept = [line for line in first if json.loads(line)["error"] is None]
+    assert lines[:3] == kept  # byte for byte
+    ids = [json.loads(line)["id"] for line in lines]
+    assert ids == [1, 2, 4, 3, 5] and all(json.loads(line)["error"] is None for line in lines)
+    # nothing left to do: the model output is not touched
+    summary, out = run(tmp_path, rows)
+    assert (summary.skipped, summary.ok) == (5, 0) and open(out, "rb").read().splitlines(keepends=True) == lines
+
+
+def test_overwrite_limit_stats_log_and_summary(tmp_path, mt):
+    rows = [{"id": i, "prompt": f"Secret word {i}: banana."} for i in range(3)]
+    stats, summ = tmp_path / "stats.jsonl", tmp_path / "summary.json"
+    options = dict(limit=2, stats_log=str(stats), summary_json=str(summ))
+    summary, out = run(tmp_path, rows, options=options)
+    assert summary.rows == 2 and len(read_records(out)) == 2
+    summary, out = run(tmp_path, rows, options={**options, "overwrite": True, "limit": None})
+    assert [r["id"] for r in read_records(out)] == [0, 1, 2] and summary.skipped == 0
+    entries = read_records(stats)
+    assert [e["id"] for e in entries] == [0, 1, 2] and [e["line"] for e in entries] == [1, 2, 3]
+    assert "banana" not in stats.read_text()
+    data = json.loads(summ.read_text())
+    assert data["ok"] == 3 and data["exit_code"] == 0 and data["tokens_seen"] == sum(e["tokens_seen"] for e in entries)
+
+
+def test_empty_input_is_zero_rows_and_success(tmp_path, mt):
+    summary, out = run(tmp_path, [])
+    assert (summary.rows, summary.exit_code) == (0, 0) and open(out, "rb").read() == b""
+    assert "0 rows" in summary.text()
+
+
+def test_usage_errors_before_any_work(tmp_path, mt):
+    inp = write_rows(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    out = tmp_path / "sub" / "out.jsonl"
+    with pytest.raises(BatchUsageError, match="n_sink \\+ recent must be < budget"):
+        run_batch(inp, str(out), BatchOptions(budget=4, n_sink=4), progress=False)
+    with pytest.raises(BatchUsageError, match="max_tokens"):
+        run_batch(inp, str(out), BatchOptions(max_tokens=0), progress=False)
+    assert not out.exists()
+    with pytest.raises(BatchUsageError, match="cannot read input"):
+        run_batch(str(tmp_path / "missing.jsonl"), str(out), BatchOptions(), progress=False)
+    with pytest.raises(BatchUsageError, match="cannot write output"):
+        run_batch(inp, str(tmp_path / "in.jsonl" / "out.jsonl"), BatchOptions(), progress=False)
+    (tmp_path / "corrupt.jsonl").write_bytes(b"not a record\n" + b'{"id": 1, "error": null}\n')
+    with pytest.raises(BatchUsageError, match="not a knorm-batch record"):
+        run_batch(inp, str(tmp_path / "corrupt.jsonl"), BatchOptions(), progress=False)
+    with pytest.raises(BatchUsageError, match="cannot load model"):
+        run_batch(inp, str(out), BatchOptions(model=str(tmp_path / "nope.gguf")), progress=False)

@@ -1,0 +1,225 @@
+"""knorm-batch through Click's CliRunner, and real subprocesses for kill -9 and Ctrl-C."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from knorm_gen.batch import get_model
+from knorm_gen.cli import batch_command
+
+TIMING = {"prefill_s", "decode_s", "prompt_tps", "generation_tps", "peak_memory_gb"}
+FAST = ["--budget", "16", "--max-tokens", "2"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loaded_model():
+    get_model("default")  # cached in-process: every CliRunner call reuses it
+
+
+def invoke(*args, input=None):
+    return CliRunner().invoke(batch_command, [str(a) for a in args], input=input, catch_exceptions=False)
+
+
+def lines(path):
+    return Path(path).read_bytes().splitlines(keepends=True)
+
+
+def records(path):
+    return [json.loads(line) for line in lines(path)]
+
+
+def untimed(record):
+    out = {k: v for k, v in record.items() if k not in TIMING}
+    if out.get("answers"):
+        out["answers"] = [untimed(a) for a in out["answers"]]
+    return out
+
+
+def test_default_output_beside_input_and_summary(tmp_path):
+    inp = tmp_path / "prompts.jsonl"
+    inp.write_text('{"id": "a", "prompt": "Say hi."}\n{"id": "b", "prompt": "Say bye."}\n')
+    result = invoke(inp, *FAST)
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "prompts.completions.jsonl"
+    assert [r["id"] for r in records(out)] == ["a", "b"]
+    assert "2 rows: 2 ok, 0 failed, 0 skipped" in result.stderr and "compression mean" in result.stderr
+    assert result.stdout == ""
+
+
+def test_stdin_to_stdout(tmp_path):
+    result = invoke("-", "-o", "-", *FAST, "--quiet", input='{"prompt": "Say hi."}\n')
+    assert result.exit_code == 0
+    (record,) = [json.loads(line) for line in result.stdout.splitlines()]
+    assert record["id"] == 1 and record["error"] is None and "1 rows: 1 ok" in result.stderr
+
+
+def test_hostile_inputs_give_documented_records(tmp_path):
+    inp = tmp_path / "hostile.jsonl"
+    inp.write_bytes(
+        b"\xef\xbb\xbf" + b'{"id": "bom", "prompt": "Say hi."}\r\n'   # 1 BOM + CRLF
+        b'{"id": "bytes", "prompt": "\xff\xfe"}\r\n'                  # 2 not UTF-8
+        b'{"id": "trunc", "prompt": "Say\n'                            # 3 truncated JSON
+        b'{"id": "big", "prompt": "' + b"lorem " * 350_000 + b'"}\n'   # 4 2 MB, longer than the context
+        b'{"id": "types", "messages": "x"}\n'                          # 5 wrong type
+        b'{"id": "both", "prompt": "a", "messages": []}\n'             # 6 prompt and messages
+        b'{"id": "empty", "context": "c", "questions": []}\n'          # 7 empty questions
+        b'{"id": "bom", "prompt": "again"}\n'                          # 8 duplicate id
+        b'{"id": "last", "prompt": "Say bye."}'                        # 9 no final newline
+    )
+    out = tmp_path / "out.jsonl"
+    result = invoke(inp, "-o", out, *FAST)
+    assert result.exit_code == 1
+    got = [(r["id"], r["error"] and r["error"]["type"], r["error"] and r["error"]["line"]) for r in records(out)]
+    assert got == [("bom", None, None), (None, "invalid_utf8", 2), (None, "invalid_json", 3),
+                   ("big", "prompt_too_long", 4), ("types", "invalid_row", 5), ("both", "invalid_row", 6),
+                   ("empty", "invalid_row", 7), (None, "duplicate_id", 8), ("last", None, None)]
+    assert "9 rows: 2 ok, 7 failed" in result.stderr
+
+
+def test_empty_file_exits_zero(tmp_path):
+    inp = tmp_path / "empty.jsonl"
+    inp.write_bytes(b"")
+    result = invoke(inp, *FAST)
+    assert result.exit_code == 0 and "0 rows: 0 ok, 0 failed, 0 skipped" in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget", "0"], "budget must be an integer >= 1"),
+    (["--keep", "best"], "'best' is not one of"),
+    (["--skip-layers", "a,b"], "skip_layers must be layer indices"),
+    (["--budget", "8", "--n-sink", "4", "--recent", "4"], "n_sink + recent must be < budget"),
+    (["--max-tokens", "0"], "--max-tokens"),
+])
+def test_bad_options_exit_2(tmp_path, args, message):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "x"}\n')
+    result = invoke(inp, *args)
+    assert result.exit_code == 2 and message in result.stderr
+    assert not (tmp_path / "in.completions.jsonl").exists()
+
+
+def test_unreadable_input_and_unwritable_output_exit_2(tmp_path):
+    assert invoke(tmp_path / "missing.jsonl").exit_code == 2
+    result = invoke(tmp_path)  # a directory
+    assert result.exit_code == 2 and "is a directory" in result.stderr
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "x"}\n')
+    result = invoke(inp, "-o", inp / "out.jsonl")  # parent is a file
+    assert result.exit_code == 2 and "cannot write output" in result.stderr
+    result = invoke()
+    assert result.exit_code == 2 and "missing INPUT" in result.stderr
+
+
+def test_version():
+    result = invoke("--version")
+    assert result.exit_code == 0 and "knorm-batch, version" in result.stdout
+
+
+def test_job_file_equals_flags_and_flags_override(tmp_path):
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    inp = tmp_path / "rows.jsonl"
+    inp.write_text('{"id": "a", "prompt": "Name a fruit."}\n{"id": "b", "context": "Ice is cold.", "question": "Is ice hot?"}\n')
+    job = jobs / "job.toml"
+    job.write_text('input = "../rows.jsonl"\noutput = "../out/job.jsonl"\nmodel = "default"\n'
+                   '[eviction]\nbudget = 16\nn_sink = 2\nrecent = 4\nkeep = "low"\nskip_layers = [0]\n'
+                   '[generation]\nmax_tokens = 3\ntemperature = 0.0\n')
+    assert invoke("--job", job, "-q").exit_code == 0
+    flags = tmp_path / "flags.jsonl"
+    assert invoke(inp, "-o", flags, "--budget", "16", "--n-sink", "2", "--recent", "4", "--skip-layers", "0",
+                  "--max-tokens", "3", "-q").exit_code == 0
+    by_job = records(tmp_path / "out" / "job.jsonl")
+    assert [untimed(r) for r in by_job] == [untimed(r) for r in records(flags)]
+    assert by_job[0]["config"]["recent"] == 4 and by_job[0]["config"]["skip_layers"] == [0]
+
+    over = tmp_path / "over.jsonl"
+    assert invoke("--job", job, "-o", over, "--max-tokens", "1", "--budget", "none", "-q").exit_code == 0
+    r = records(over)[0]
+    assert r["config"]["max_tokens"] == 1 and r["config"]["budget"] is None and r["config"]["recent"] == 4
+
+
+@pytest.mark.parametrize("text, message", [
+    ('inputs = "x"\n', "unknown key 'inputs'"),
+    ('[eviction]\nbugdet = 3\n', "unknown key 'bugdet' in [eviction]"),
+    ('[generation]\ntemperature = "hot"\n', "'temperature' must be int or float"),
+    ('input = \n', "not valid TOML"),
+])
+def test_bad_job_file_exit_2(tmp_path, text, message):
+    job = tmp_path / "job.toml"
+    job.write_text(text)
+    result = invoke("--job", job)
+    assert result.exit_code == 2 and message in result.stderr
+
+
+def test_shipped_job_files_parse():
+    from knorm_gen.cli import load_job
+
+    for job in sorted((REPO / "jobs").glob("*.toml")):
+        settings = load_job(str(job))
+        assert Path(settings["input"]).is_file(), job
+
+
+# ---------------------------------------------------------------- subprocesses
+
+
+def start(inp, out, *extra):
+    cmd = [sys.executable, "-m", "knorm_gen.cli", str(inp), "-o", str(out), "--budget", "16", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+
+
+def wait_for_lines(proc, out, k, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if out.exists() and out.read_bytes().count(b"\n") >= k:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"runner exited early: {proc.stderr.read().decode()}")
+        time.sleep(0.02)
+    proc.kill()
+    pytest.fail("timed out waiting for records")
+
+
+def eight_rows(tmp_path):
+    inp = tmp_path / "rows.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"Count from {i} to {i + 9}."}) + "\n" for i in range(8)))
+    return inp
+
+
+def test_kill_9_then_rerun_loses_nothing(tmp_path):
+    inp, out = eight_rows(tmp_path), tmp_path / "out.jsonl"
+    proc = start(inp, out, "--max-tokens", "6")
+    wait_for_lines(proc, out, 3)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = out.read_bytes()
+    complete = before[: before.rfind(b"\n") + 1].splitlines(keepends=True)
+    assert 3 <= len(complete) < 8, "the kill should land mid-run"
+
+    result = invoke(inp, "-o", out, "--budget", "16", "--max-tokens", "6")
+    assert result.exit_code == 0, result.stderr
+    after = lines(out)
+    assert after[: len(complete)] == complete  # byte-identical
+    ids = [json.loads(line)["id"] for line in after]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(8)) and len(set(ids)) == 8
+    assert all(json.loads(line)["error"] is None for line in after)
+
+
+def test_ctrl_c_finishes_the_row_then_exits_130(tmp_path):
+    inp, out = eight_rows(tmp_path), tmp_path / "out.jsonl"
+    proc = start(inp, out, "--max-tokens", "6")
+    wait_for_lines(proc, out, 2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err.decode()
+    assert b"rerun the same command to resume" in err
+    data = out.read_bytes()
+    assert data.endswith(b"\n") and 2 <= data.count(b"\n") < 8
+    assert all(json.loads(line)["error"] is None for line in data.splitlines())
