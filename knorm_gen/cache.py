@@ -7,7 +7,7 @@ attention, so when a layer's cache is over budget we keep the lowest-norm keys.
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
 import mlx.core as mx
@@ -320,16 +320,30 @@ def auto_recent(budget: int) -> int:
 @dataclass(frozen=True)
 class EvictionConfig:
     """How every compressed layer evicts. ``budget=None`` means no eviction;
-    ``recent=None`` means :func:`auto_recent` (``budget // 8``)."""
+    ``recent=None`` means :func:`auto_recent` (``budget // 8``, per layer).
+    ``layer_budgets`` (``{layer: budget}``) overrides the budget of single
+    layers, e.g. more for the early layers that retrieval depends on."""
 
     budget: Optional[int] = 512
     n_sink: int = 4
     recent: Optional[int] = None
     keep: str = "low"
     skip_layers: tuple[int, ...] = (0, 1)
+    layer_budgets: Optional[dict] = None
+    recent_auto: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
+        object.__setattr__(self, "recent_auto", self.recent is None)
+        if self.layer_budgets is not None:
+            if not isinstance(self.layer_budgets, dict):
+                raise ValueError(f"layer_budgets must map layer index to budget, got {self.layer_budgets!r}")
+            object.__setattr__(self, "layer_budgets", {int(k): v for k, v in self.layer_budgets.items()})
+            for layer, b in self.layer_budgets.items():
+                try:
+                    validate_eviction_args(b, self.n_sink, self.layer_recent(b), self.keep)
+                except ValueError as e:
+                    raise ValueError(f"layer_budgets[{layer}]: {e}") from None
         if self.recent is None:
             object.__setattr__(self, "recent", 0 if self.budget is None or not isinstance(self.budget, int)
                                or isinstance(self.budget, bool) else auto_recent(self.budget))
@@ -339,10 +353,21 @@ class EvictionConfig:
         if self.budget is not None:
             validate_eviction_args(self.budget, self.n_sink, self.recent, self.keep)
 
+    def layer_recent(self, budget: int) -> int:
+        """The recent window of a layer holding ``budget`` tokens."""
+        return auto_recent(budget) if self.recent_auto else self.recent
+
     def to_dict(self) -> dict:
         d = asdict(self)
+        d.pop("recent_auto")
         d["skip_layers"] = list(self.skip_layers)
+        if self.layer_budgets is None:
+            d.pop("layer_budgets")
         return d
+
+    def __hash__(self) -> int:
+        return hash((self.budget, self.n_sink, self.recent, self.keep, self.skip_layers,
+                     tuple(sorted((self.layer_budgets or {}).items()))))
 
 
 def make_eviction_cache(model: nn.Module, config: EvictionConfig | None = None) -> list:
@@ -359,12 +384,19 @@ def make_eviction_cache(model: nn.Module, config: EvictionConfig | None = None) 
         if not -n <= i < n:
             raise ValueError(f"skip_layers index {i} is out of range for a model with {n} layers")
         skip.add(i % n)
-    return [
-        L2NormKVCache(config.budget, config.n_sink, config.recent, config.keep)
-        if type(c) is KVCache and i not in skip
-        else c
-        for i, c in enumerate(caches)
-    ]
+    budgets = {}
+    for i, b in (config.layer_budgets or {}).items():
+        if not -n <= i < n:
+            raise ValueError(f"layer_budgets index {i} is out of range for a model with {n} layers")
+        budgets[i % n] = b
+    out = []
+    for i, c in enumerate(caches):
+        if type(c) is KVCache and i not in skip:
+            b = budgets.get(i, config.budget)
+            recent = config.recent if i not in budgets else config.layer_recent(b)
+            c = L2NormKVCache(b, config.n_sink, recent, config.keep)
+        out.append(c)
+    return out
 
 
 @dataclass

@@ -309,3 +309,19 @@ def test_trim_only_before_eviction(tiny_model):
     assert c.is_trimmable() and c.trim(2) == 2 and c.offset == 4 and c.size() == 4
     c.update_and_fetch(mx.random.normal((1, 2, 9, 16)), mx.random.normal((1, 2, 9, 16)))
     assert not c.is_trimmable() and c.trim(3) == 0 and c.offset == 13
+
+
+def test_layer_budgets_override_single_layers(tiny_model):
+    config = EvictionConfig(budget=8, skip_layers=(0,), layer_budgets={-1: 20})
+    caches = make_eviction_cache(tiny_model, config)
+    assert [getattr(c, "budget", None) for c in caches] == [None, 8, 20]
+    assert caches[2].recent == 20 // 8 and caches[1].recent == 8 // 8
+    feed(tiny_model, caches, random_tokens(40, seed=9), [30, 1, 9])
+    assert [c.offset for c in caches] == [40, 40, 40]
+    assert (caches[1].tokens_kept, caches[2].tokens_kept) == (8, 20)
+    row = 1 * 2 * 16 * 2 * 4
+    assert cache_stats(caches).kept_bytes == (40 + 8 + 20) * row
+    with pytest.raises(ValueError, match=r"layer_budgets\[1\]"):
+        EvictionConfig(budget=8, layer_budgets={1: 0})
+    with pytest.raises(ValueError, match="layer_budgets index 5"):
+        make_eviction_cache(tiny_model, EvictionConfig(budget=8, layer_budgets={5: 16}))
