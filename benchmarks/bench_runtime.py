@@ -169,7 +169,7 @@ def main() -> None:
     if len(arms) == 2:
         print(f"float32 / quantized: prefill {arms[0]['prefill_tok_s'] / arms[1]['prefill_tok_s']:.1f}x,"
               f" decode {arms[0]['decode_tok_s'] / arms[1]['decode_tok_s']:.1f}x")
-    print(f"wrote {args.out.relative_to(ROOT)} ({result['wall_s']} s)")
+    print(f"wrote {args.out} ({result['wall_s']} s)")
 
 
 if __name__ == "__main__":
