@@ -103,7 +103,7 @@ def bench_context(model, context: int, budget: int, decode: int, step: int) -> d
     """All arms at one context length, plus the isolated eviction cost."""
     vocab = model.args.vocab_size
     prompt = mx.random.randint(0, vocab, (context,), key=mx.random.key(context)).astype(mx.int32)
-    skip = EvictionConfig().skip_layers
+    skip = EvictionConfig().resolved(len(model.layers)).skip_layers
     arms = {}
     for arm in ("full", "rotating", "l2norm", "l2norm_default"):
         arms[arm] = run_arm(model, make_arm(model, arm, budget, skip), prompt, decode, step)
@@ -150,7 +150,7 @@ def main(argv=None) -> dict:
         "budget": args.budget,
         "decode_tokens": args.decode,
         "prefill_step": args.prefill_step,
-        "skip_layers_default": list(EvictionConfig().skip_layers),
+        "skip_layers_default": list(EvictionConfig().resolved(len(model.layers)).skip_layers),
         "contexts": [bench_context(model, c, args.budget, args.decode, args.prefill_step) for c in contexts],
         "runtime": runtime_info(),
     }

@@ -5,15 +5,15 @@
 
 Every arm holds the same token budget per compressed layer:
   full            mlx_lm KVCache (the reference)
-  l2norm          L2NormKVCache, keep-low, the library defaults (recent = budget // 8)
-  l2norm_r0       keep-low, no recent window (the paper's rule alone)
-  l2norm_deep     the defaults, but layers 0-8 uncompressed (retrieval breaks
-                  when layers 2-8 are compressed; costs real compression)
+  l2norm          L2NormKVCache keep-low, recent = budget // 8, layers 0-1 uncompressed
+  l2norm_r0       keep-low, no recent window, layers 0-1 uncompressed (the paper's setting)
+  l2norm_deep     like l2norm, but layers 0-8 uncompressed: the library default on
+                  the embedded model (retrieval breaks when layers 2-8 are compressed)
   keep_high       the paper's ablation (keep the highest norms)
   random          random scores, same machinery
   streaming       sinks + most recent tokens (StreamingLLM), same machinery
   rotating        mlx_lm RotatingKVCache(budget, keep=4) in every layer (max_kv_size)
-Eviction arms share the library's default ``skip_layers``; bytes are counted
+The other eviction arms leave layers 0-1 uncompressed; bytes are counted
 over all layers, so each arm's real compression ratio is reported next to it.
 """
 
@@ -46,8 +46,9 @@ DEEP_SKIP = tuple(range(9))
 
 
 def arm_config(arm: str, budget: int) -> Optional[EvictionConfig]:
-    base = EvictionConfig()
-    kw = dict(budget=budget, n_sink=base.n_sink, skip_layers=base.skip_layers)
+    # "l2norm" is the paper's setting (layers 0 and 1 uncompressed); "l2norm_deep"
+    # leaves layers 0-8 uncompressed, which became the library default (30%).
+    kw = dict(budget=budget, n_sink=EvictionConfig().n_sink, skip_layers=(0, 1))
     if arm == "l2norm":
         return EvictionConfig(**kw)
     if arm == "l2norm_r0":

@@ -13,14 +13,14 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Optional, Sequence
 
 from tqdm import tqdm
 
 from . import records as rec
-from .cache import EvictionConfig
+from .cache import EvictionConfig, default_skip_layers
 
 EXIT_OK = 0
 EXIT_ROWS_FAILED = 1
@@ -39,6 +39,10 @@ ANSWER_FIELDS = ("question", "answer", "finish_reason", "prompt_tokens", "genera
 _DEFAULTS = EvictionConfig()
 
 
+def _layers(value) -> Optional[tuple[int, ...]]:
+    return None if value is None else tuple(value)
+
+
 class BatchUsageError(ValueError):
     """A problem found before any row runs (options, input, output, model)."""
 
@@ -52,7 +56,7 @@ class BatchOptions:
     n_sink: int = _DEFAULTS.n_sink
     recent: Optional[int] = None  # None: the library's automatic window (budget // 8)
     keep: str = _DEFAULTS.keep
-    skip_layers: tuple[int, ...] = _DEFAULTS.skip_layers
+    skip_layers: Optional[tuple[int, ...]] = None  # None: the library default for the model
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
@@ -68,7 +72,7 @@ class BatchOptions:
         """Raise :class:`BatchUsageError` with the library's message for a bad setting."""
         try:
             EvictionConfig(budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
-                           skip_layers=tuple(self.skip_layers))
+                           skip_layers=_layers(self.skip_layers))
             from .generate import _check_sampling
 
             _check_sampling(self.max_tokens, self.temperature, self.top_p)
@@ -79,7 +83,7 @@ class BatchOptions:
 
     def generation_kwargs(self, overrides: Optional[dict] = None) -> dict:
         kw = dict(budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
-                  skip_layers=tuple(self.skip_layers), max_tokens=self.max_tokens,
+                  skip_layers=_layers(self.skip_layers), max_tokens=self.max_tokens,
                   temperature=self.temperature, top_p=self.top_p, seed=self.seed,
                   prefill_step_size=self.prefill_step_size, chat=self.chat)
         kw.update(overrides or {})
@@ -164,11 +168,11 @@ def row_config(options: BatchOptions, overrides: Optional[dict] = None) -> dict:
     """The effective eviction and sampling settings of a row, as written in ``config``."""
     kw = options.generation_kwargs(overrides)
     eviction = dict(budget=kw["budget"], n_sink=kw["n_sink"], recent=kw["recent"], keep=kw["keep"],
-                    skip_layers=tuple(kw["skip_layers"]))
+                    skip_layers=_layers(kw["skip_layers"]))
     try:
         config = EvictionConfig(**eviction).to_dict()  # resolves the automatic recent window
     except ValueError:  # a bad per-row override: the record's error says why
-        config = {**eviction, "skip_layers": list(eviction["skip_layers"])}
+        config = {**eviction, "skip_layers": None if eviction["skip_layers"] is None else list(eviction["skip_layers"])}
     for name in ("max_tokens", "temperature", "top_p", "seed", "prefill_step_size", "chat"):
         config[name] = kw[name]
     return config
@@ -352,6 +356,8 @@ def run_batch(
                 raise BatchUsageError(str(e)) from None
         if model is None:
             model, tokenizer = get_model(options.model)
+        if options.skip_layers is None:  # records show the layers really left uncompressed
+            options = replace(options, skip_layers=default_skip_layers(len(model.layers)))
 
         if to_stdout:
             writer = rec.RecordWriter(stdout or sys.stdout.buffer)

@@ -47,16 +47,23 @@ def parse_budget(value: Any) -> Optional[int]:
 
 
 def parse_skip_layers(value: Any) -> tuple[int, ...]:
-    """``0,1`` or a list of integers; ``none`` or empty = compress every layer."""
+    """``0,1``, ``0-8`` (a range, inclusive) or a list of integers; ``none`` or
+    empty = compress every layer."""
     if isinstance(value, (list, tuple)):
         items = list(value)
     elif isinstance(value, str):
         if value.strip().lower() in ("none", ""):
             return ()
-        items = [part.strip() for part in value.split(",")]
+        items = []
+        for part in (p.strip() for p in value.split(",")):
+            lo, dash, hi = part.partition("-")
+            if dash and lo.strip().isdigit() and hi.strip().isdigit():
+                items.extend(range(int(lo), int(hi) + 1))
+            else:
+                items.append(part)
     else:
         raise ValueError(f"skip_layers must be a comma-separated list of layer indices or 'none', got {value!r}")
-    message = f"skip_layers must be layer indices like '0,1' or 'none', got {value!r}"
+    message = f"skip_layers must be layer indices like '0,1' or '0-8', or 'none'; got {value!r}"
     if any(isinstance(i, (bool, float)) for i in items):
         raise ValueError(message)
     try:
@@ -151,8 +158,9 @@ def load_job(path: str) -> dict:
               help="Most recent tokens never evicted.  [default: budget // 8]")
 @click.option("--keep", type=click.Choice(KEEP_MODES), default="low", show_default=True,
               help="low = keep low key norms (the paper); high = ablation; random/recent = baselines.")
-@click.option("--skip-layers", type=_SkipLayers(), default="0,1", show_default=True,
-              help="Layers left uncompressed, e.g. '0,1'; 'none' compresses all.")
+@click.option("--skip-layers", type=_SkipLayers(), default=None,
+              help="Layers left uncompressed, e.g. '0,1' or '0-8'; 'none' compresses all.  "
+                   "[default: the first 30% of layers, 0-8 on the embedded model]")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)

@@ -16,7 +16,6 @@ from .models import model_context_length
 
 Prompt = Union[str, Sequence[int], mx.array, Sequence[dict]]
 
-DEFAULT_SKIP_LAYERS = EvictionConfig().skip_layers
 DEFAULT_PREFILL_STEP = 512
 
 
@@ -114,8 +113,10 @@ def _check_sampling(max_tokens: int, temperature: float, top_p: float) -> None:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
 
 
-def _config(budget, n_sink, recent, keep, skip_layers) -> EvictionConfig:
-    return EvictionConfig(budget=budget, n_sink=n_sink, recent=recent, keep=keep, skip_layers=tuple(skip_layers))
+def _config(model, budget, n_sink, recent, keep, skip_layers) -> EvictionConfig:
+    config = EvictionConfig(budget=budget, n_sink=n_sink, recent=recent, keep=keep,
+                            skip_layers=None if skip_layers is None else tuple(skip_layers))
+    return config.resolved(len(model.layers))
 
 
 def _sampler(temperature: float, top_p: float):
@@ -169,7 +170,7 @@ def stream_with_eviction(
     n_sink: int = 4,
     recent: Optional[int] = None,
     keep: str = "low",
-    skip_layers: Sequence[int] = DEFAULT_SKIP_LAYERS,
+    skip_layers: Optional[Sequence[int]] = None,
     max_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -179,7 +180,7 @@ def stream_with_eviction(
 ) -> Iterator[Union[str, GenerationResult]]:
     """Like :func:`generate_with_eviction`, but yields text pieces as they are
     decoded and ends with the :class:`GenerationResult`."""
-    config = _config(budget, n_sink, recent, keep, skip_layers)
+    config = _config(model, budget, n_sink, recent, keep, skip_layers)
     _check_sampling(max_tokens, temperature, top_p)
     tok = _as_tokenizer(tokenizer)
     ids = encode_prompt(tok, prompt, chat)
@@ -243,7 +244,7 @@ def answer_questions(
     n_sink: int = 4,
     recent: Optional[int] = None,
     keep: str = "low",
-    skip_layers: Sequence[int] = DEFAULT_SKIP_LAYERS,
+    skip_layers: Optional[Sequence[int]] = None,
     max_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -258,7 +259,7 @@ def answer_questions(
     each result's ``prefill_s`` includes the shared context prefill, also
     reported alone as ``context_prefill_s``.
     """
-    config = _config(budget, n_sink, recent, keep, skip_layers)
+    config = _config(model, budget, n_sink, recent, keep, skip_layers)
     _check_sampling(max_tokens, temperature, top_p)
     if not isinstance(context, str) or not context.strip():
         raise ValueError("context is empty")

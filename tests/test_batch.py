@@ -50,7 +50,7 @@ def test_records_match_library_calls_and_share_one_shape(tmp_path, mt):
         "kept_bytes": ref.kept_bytes, "full_bytes": ref.full_bytes}
     assert p["compression_ratio"] == pytest.approx(p["full_bytes"] / p["kept_bytes"])
     assert p["meta"] == {"source": "test"} and p["model"] == "default" and p["error"] is None
-    assert p["config"]["budget"] == 16 and p["config"]["max_tokens"] == 2 and p["config"]["skip_layers"] == [0, 1]
+    assert p["config"]["budget"] == 16 and p["config"]["max_tokens"] == 2 and p["config"]["skip_layers"] == list(range(9))
     assert m["completion"] == generate_with_eviction(model, tok, [{"role": "user", "content": "Say hi."}], **OPTS).text
 
     refs = answer_questions(model, tok, "The cat is black. The dog is white.", ["What colour is the dog?", "And the cat?"], **OPTS)

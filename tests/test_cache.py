@@ -325,3 +325,15 @@ def test_layer_budgets_override_single_layers(tiny_model):
         EvictionConfig(budget=8, layer_budgets={1: 0})
     with pytest.raises(ValueError, match="layer_budgets index 5"):
         make_eviction_cache(tiny_model, EvictionConfig(budget=8, layer_budgets={5: 16}))
+
+
+def test_default_skip_layers_are_the_first_30_percent(tiny_model):
+    from knorm_gen.cache import default_skip_layers
+
+    assert default_skip_layers(30) == tuple(range(9))
+    assert default_skip_layers(3) == (0, 1) and default_skip_layers(1) == (0,)
+    config = EvictionConfig(budget=8)
+    assert config.skip_layers is None and config.to_dict()["skip_layers"] is None
+    assert config.resolved(30).skip_layers == tuple(range(9)) and config.resolved(30).recent == 1
+    caches = make_eviction_cache(tiny_llama(layers=10), config)
+    assert [type(c) is KVCache for c in caches] == [True] * 3 + [False] * 7

@@ -223,3 +223,13 @@ def test_ctrl_c_finishes_the_row_then_exits_130(tmp_path):
     data = out.read_bytes()
     assert data.endswith(b"\n") and 2 <= data.count(b"\n") < 8
     assert all(json.loads(line)["error"] is None for line in data.splitlines())
+
+
+def test_skip_layers_accepts_ranges():
+    from knorm_gen.cli import parse_skip_layers
+
+    assert parse_skip_layers("0-3,7") == (0, 1, 2, 3, 7)
+    assert parse_skip_layers("none") == ()
+    assert parse_skip_layers([0, 1]) == (0, 1)
+    with pytest.raises(ValueError, match="'0-8'"):
+        parse_skip_layers("0-x")
