@@ -142,7 +142,11 @@ def passkey_context(tok, n_tokens: int, depth: float, key: str) -> str:
 
 
 def _full_prefill(model, ids: list[int], step: int = 512) -> list:
-    caches = make_prompt_cache(model)
+    return _prefill(model, ids, make_prompt_cache(model), step)
+
+
+def _prefill(model, ids: list[int], caches: list, step: int = 512) -> list:
+    """Feed ``ids`` through ``caches`` in blocks of ``step`` tokens."""
     for s in range(0, len(ids), step):
         model(mx.array(ids[s : s + step])[None], cache=caches)
         mx.eval([c.state for c in caches])
@@ -207,10 +211,7 @@ def task_passkey(model, tok, lengths, depths, n_keys, ratios, arms, log, blocked
                     if ratio not in blocked_ratios or length > blocked_max_length:
                         continue
                     for arm in blocked_arms:  # the product path: context prefilled in 512-token blocks
-                        caches = make_arm(model, arm, budget)
-                        for s in range(0, n_ctx, 512):
-                            model(mx.array(prefix_ids[s : s + 512])[None], cache=caches)
-                            mx.eval([c.state for c in caches])
+                        caches = _prefill(model, prefix_ids, make_arm(model, arm, budget))
                         for c in caches:
                             if isinstance(c, L2NormKVCache):
                                 c.pin()

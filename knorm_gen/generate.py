@@ -123,10 +123,17 @@ def _sampler(temperature: float, top_p: float):
     return make_sampler(temp=temperature, top_p=top_p if top_p < 1 else 0.0)
 
 
+def _result_config(config: EvictionConfig, max_tokens, temperature, top_p, seed, prefill_step_size) -> dict:
+    """The settings a result reports: the resolved eviction config plus sampling."""
+    return {**config.to_dict(), "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+            "seed": seed, "prefill_step_size": prefill_step_size}
+
+
 def _run(model, tok, ids, caches, *, max_tokens, sampler, prefill_step_size, config_dict, prompt_tokens,
          extra_prefill_s=0.0, question=None) -> Iterator[Union[str, GenerationResult]]:
     """Drive mlx_lm's stream_generate over ``caches``; yield text, then the result."""
     last = None
+    pieces = []
     tic = time.perf_counter()
     first_at = None
     for resp in stream_generate(model, tok, mx.array(ids), max_tokens=max_tokens, sampler=sampler,
@@ -135,13 +142,14 @@ def _run(model, tok, ids, caches, *, max_tokens, sampler, prefill_step_size, con
             first_at = time.perf_counter()
         last = resp
         if resp.text:
+            pieces.append(resp.text)
             yield resp.text
     end = time.perf_counter()
     stats = cache_stats(caches)
     prefill_s = (first_at - tic) + extra_prefill_s
     decode_s = end - first_at
     yield GenerationResult(
-        text="",  # filled by the caller that joins the pieces
+        text="".join(pieces),
         finish_reason=last.finish_reason,
         prompt_tokens=prompt_tokens,
         generated_tokens=last.generation_tokens,
@@ -189,17 +197,9 @@ def stream_with_eviction(
         mx.random.seed(seed)
     mx.reset_peak_memory()
     caches = make_eviction_cache(model, config)
-    cfg = {**config.to_dict(), "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
-           "seed": seed, "prefill_step_size": prefill_step_size}
-    pieces = []
-    for item in _run(model, tok, ids, caches, max_tokens=max_tokens, sampler=_sampler(temperature, top_p),
-                     prefill_step_size=prefill_step_size, config_dict=cfg, prompt_tokens=len(ids)):
-        if isinstance(item, str):
-            pieces.append(item)
-            yield item
-        else:
-            item.text = "".join(pieces)
-            yield item
+    cfg = _result_config(config, max_tokens, temperature, top_p, seed, prefill_step_size)
+    yield from _run(model, tok, ids, caches, max_tokens=max_tokens, sampler=_sampler(temperature, top_p),
+                    prefill_step_size=prefill_step_size, config_dict=cfg, prompt_tokens=len(ids))
 
 
 def generate_with_eviction(model: Any, tokenizer: Any, prompt: Prompt, **kwargs: Any) -> GenerationResult:
@@ -211,10 +211,7 @@ def generate_with_eviction(model: Any, tokenizer: Any, prompt: Prompt, **kwargs:
     :func:`stream_with_eviction`. Raises ``ValueError`` naming the problem for
     bad arguments, an empty prompt, or a prompt longer than the model context.
     """
-    result = None
-    for item in stream_with_eviction(model, tokenizer, prompt, **kwargs):
-        if isinstance(item, GenerationResult):
-            result = item
+    *_, result = stream_with_eviction(model, tokenizer, prompt, **kwargs)
     return result
 
 
@@ -285,8 +282,7 @@ def answer_questions(
         model(mx.array(prefix_ids[start : start + prefill_step_size])[None], cache=caches)
         mx.eval([c.state for c in caches])
     context_s = time.perf_counter() - tic
-    cfg = {**config.to_dict(), "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
-           "seed": seed, "prefill_step_size": prefill_step_size}
+    cfg = _result_config(config, max_tokens, temperature, top_p, seed, prefill_step_size)
 
     results = []
     for q, ids in zip(questions, question_ids):
@@ -296,14 +292,8 @@ def answer_questions(
         for c in own:
             if isinstance(c, L2NormKVCache):
                 c.pin()
-        pieces, result = [], None
-        for item in _run(model, tok, ids, own, max_tokens=max_tokens, sampler=_sampler(temperature, top_p),
-                         prefill_step_size=prefill_step_size, config_dict=cfg, extra_prefill_s=context_s,
-                         prompt_tokens=len(prefix_ids) + len(ids), question=q):
-            if isinstance(item, str):
-                pieces.append(item)
-            else:
-                result = item
-        result.text = "".join(pieces)
+        *_, result = _run(model, tok, ids, own, max_tokens=max_tokens, sampler=_sampler(temperature, top_p),
+                          prefill_step_size=prefill_step_size, config_dict=cfg, extra_prefill_s=context_s,
+                          prompt_tokens=len(prefix_ids) + len(ids), question=q)
         results.append(result)
     return results
