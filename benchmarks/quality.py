@@ -37,7 +37,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from knorm_gen import EvictionConfig, L2NormKVCache, cache_stats, make_eviction_cache
 from knorm_gen.cache import copy_caches
 from knorm_gen.corpus import pydoc_sections, text_of_tokens
-from knorm_gen.generate import _split_template, generate_with_eviction
+from knorm_gen.generate import generate_with_eviction, split_question_prompts
 from knorm_gen.models import load_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -183,9 +183,8 @@ def task_passkey(model, tok, lengths, depths, n_keys, ratios, arms, log, blocked
             for _ in range(n_keys):
                 key = str(rng.randint(10000, 99999))
                 context = passkey_context(tok, length, depth, key)
-                prefix, suffix = _split_template(tok, context, True)
-                prefix_ids = tok.encode(prefix, add_special_tokens=False)
-                q_ids = tok.encode("\n\n" + QUESTION + suffix + ANSWER_PREFIX, add_special_tokens=False)
+                prefix_ids, (q_ids,) = split_question_prompts(tok, context, [QUESTION], chat=True)
+                q_ids = q_ids + tok.encode(ANSWER_PREFIX, add_special_tokens=False)
                 n_ctx = len(prefix_ids)
                 full_ctx = _full_prefill(model, prefix_ids)
                 full_all = copy_caches(full_ctx)

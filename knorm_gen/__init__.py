@@ -15,6 +15,7 @@ from .cache import (  # noqa: E402
 )
 from .generate import (  # noqa: E402
     GenerationResult,
+    PromptTooLongError,
     answer_questions,
     generate_with_eviction,
     stream_with_eviction,
@@ -29,6 +30,7 @@ __all__ = [
     "CacheStats",
     "EvictionConfig",
     "GenerationResult",
+    "PromptTooLongError",
     "L2NormKVCache",
     "answer_questions",
     "generate_with_eviction",

@@ -186,7 +186,7 @@ def error_record(err: rec.RowError, options: BatchOptions) -> dict:
 
 def run_row(model: Any, tokenizer: Any, row: rec.Row, options: BatchOptions) -> dict:
     """Generate for one row; a ValueError or any other failure becomes the record's error."""
-    from .generate import answer_questions, generate_with_eviction
+    from .generate import PromptTooLongError, answer_questions, generate_with_eviction
 
     kwargs = options.generation_kwargs(row.overrides)
     record = empty_record(row.id, options, row_config(options, row.overrides), row.meta)
@@ -201,7 +201,7 @@ def run_row(model: Any, tokenizer: Any, row: rec.Row, options: BatchOptions) -> 
     except KeyboardInterrupt:
         raise
     except ValueError as e:
-        kind = rec.PROMPT_TOO_LONG if "longer than the model context" in str(e) else rec.INVALID_ROW
+        kind = rec.PROMPT_TOO_LONG if isinstance(e, PromptTooLongError) else rec.INVALID_ROW
         record["error"] = {"type": kind, "message": f"line {row.line}: {e}", "line": row.line}
     except Exception as e:  # noqa: BLE001 - one bad row must not stop an overnight run
         record["error"] = {"type": rec.GENERATION_ERROR, "message": f"line {row.line}: {type(e).__name__}: {e}",

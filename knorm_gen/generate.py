@@ -17,6 +17,12 @@ from .models import model_context_length
 Prompt = Union[str, Sequence[int], mx.array, Sequence[dict]]
 
 DEFAULT_PREFILL_STEP = 512
+DEFAULT_QUESTION_SEPARATOR = "\n\n"
+"""What :func:`answer_questions` puts between the context and each question."""
+
+
+class PromptTooLongError(ValueError):
+    """A prompt has more tokens than the model's context length."""
 
 
 @dataclass
@@ -46,6 +52,9 @@ class GenerationResult:
     config: dict = field(default_factory=dict)
     question: Optional[str] = None
     context_prefill_s: Optional[float] = None
+    tokens: list = field(default_factory=list)
+    """The generated token ids, the final one included (an end-of-sequence token when
+    ``finish_reason`` is ``"stop"``)."""
 
     def to_dict(self) -> dict:
         """A JSON-serialisable dict."""
@@ -75,7 +84,7 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, chat: Optional[bool] = None) -
             chat = _has_chat_template(tokenizer)
         if chat:
             return encode_prompt(tokenizer, [{"role": "user", "content": prompt}])
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        ids = _encode_text(tokenizer, prompt)
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
         for i, m in enumerate(prompt):
             if "role" not in m or "content" not in m:
@@ -98,10 +107,15 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, chat: Optional[bool] = None) -
     return list(ids)
 
 
+def _encode_text(tokenizer: Any, text: str) -> list[int]:
+    bos = getattr(tokenizer, "bos_token", None)
+    return list(tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
+
+
 def _check_length(model: Any, n_prompt: int) -> None:
     ctx = model_context_length(model)
     if ctx is not None and n_prompt > ctx:
-        raise ValueError(f"prompt has {n_prompt} tokens, longer than the model context of {ctx} tokens")
+        raise PromptTooLongError(f"prompt has {n_prompt} tokens, longer than the model context of {ctx} tokens")
 
 
 def _check_sampling(max_tokens: int, temperature: float, top_p: float) -> None:
@@ -134,6 +148,7 @@ def _run(model, tok, ids, caches, *, max_tokens, sampler, prefill_step_size, con
     """Drive mlx_lm's stream_generate over ``caches``; yield text, then the result."""
     last = None
     pieces = []
+    tokens = []
     tic = time.perf_counter()
     first_at = None
     for resp in stream_generate(model, tok, mx.array(ids), max_tokens=max_tokens, sampler=sampler,
@@ -141,6 +156,7 @@ def _run(model, tok, ids, caches, *, max_tokens, sampler, prefill_step_size, con
         if first_at is None:
             first_at = time.perf_counter()
         last = resp
+        tokens.append(int(resp.token))
         if resp.text:
             pieces.append(resp.text)
             yield resp.text
@@ -166,6 +182,7 @@ def _run(model, tok, ids, caches, *, max_tokens, sampler, prefill_step_size, con
         config=config_dict,
         question=question,
         context_prefill_s=extra_prefill_s if question is not None else None,
+        tokens=tokens,
     )
 
 
@@ -215,20 +232,39 @@ def generate_with_eviction(model: Any, tokenizer: Any, prompt: Prompt, **kwargs:
     return result
 
 
-def _split_template(tok: TokenizerWrapper, context: str, chat: bool) -> tuple[str, str]:
-    """(prefix, suffix_template) so that prompt = prefix + "\n\n" + question + suffix.
+def _common_prefix(first: Sequence[int], *others: Sequence[int]) -> int:
+    n = len(first)
+    for other in others:
+        n = min(n, len(other))
+        n = next((i for i in range(n) if first[i] != other[i]), n)
+    return n
 
-    The split sits right after the context, a natural pre-token boundary, so
-    the two parts tokenize exactly as the whole prompt does.
+
+def split_question_prompts(
+    tokenizer: Any, context: str, questions: Sequence[str], *, chat: bool,
+    question_separator: str = DEFAULT_QUESTION_SEPARATOR,
+) -> tuple[list[int], list[list[int]]]:
+    """``(shared, rests)``: token ids of the context part shared by every question,
+    and of each question's remainder, so that ``shared + rests[i]`` equals the
+    ids of the whole prompt ``context + question_separator + questions[i]``
+    encoded at once (through the chat template when ``chat``; exactly that
+    text, nothing after it, in completion mode).
+
+    The shared part is the longest token prefix common to every whole prompt
+    and to the context alone: a token that BPE merges across the boundary
+    belongs to the question, so no split ever tokenizes differently from the
+    whole prompt.
     """
-    if not chat:
-        return context, "\n"
-    marker = "\x00KNORM_QUESTION\x00"
-    rendered = tok.apply_chat_template(
-        [{"role": "user", "content": context + marker}], add_generation_prompt=True, tokenize=False
-    )
-    i = rendered.index(marker)
-    return rendered[:i], rendered[i + len(marker):]
+    wholes = [encode_prompt(tokenizer, context + question_separator + q, chat) for q in questions]
+    if chat:
+        marker = "\x00KNORM_QUESTION\x00"
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": context + marker}], add_generation_prompt=True, tokenize=False)
+        head = tokenizer.encode(rendered[: rendered.index(marker)], add_special_tokens=False)
+    else:
+        head = _encode_text(tokenizer, context)
+    n = _common_prefix(head, *wholes)
+    return wholes[0][:n], [w[n:] for w in wholes]
 
 
 def answer_questions(
@@ -248,8 +284,16 @@ def answer_questions(
     seed: Optional[int] = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     chat: Optional[bool] = None,
+    question_separator: str = DEFAULT_QUESTION_SEPARATOR,
 ) -> list[GenerationResult]:
     """Compress ``context`` once, then answer each question from its own copy.
+
+    Each prompt is ``context + question_separator + question`` (default a blank
+    line), through the chat template when ``chat`` (default: when the
+    tokenizer has one). In completion mode (``chat=False``) nothing follows the
+    question, so a base-model user can write the question as the start of the
+    answer ("... The pass key is"). The tokens fed are exactly those of the
+    whole prompt encoded at once (see :func:`split_question_prompts`).
 
     The question and answer tokens are never evicted (the copy is pinned), and
     positions continue from the true context length. One result per question;
@@ -267,12 +311,13 @@ def answer_questions(
     for i, q in enumerate(questions):
         if not isinstance(q, str) or not q.strip():
             raise ValueError(f"question {i} is empty or not text")
+    if not isinstance(question_separator, str):
+        raise ValueError(f"question_separator must be text, got {question_separator!r}")
     tok = _as_tokenizer(tokenizer)
     if chat is None:
         chat = _has_chat_template(tok)
-    prefix, suffix = _split_template(tok, context, chat)
-    prefix_ids = tok.encode(prefix, add_special_tokens=False)
-    question_ids = [tok.encode("\n\n" + q + suffix, add_special_tokens=False) for q in questions]
+    prefix_ids, question_ids = split_question_prompts(tok, context, questions, chat=chat,
+                                                      question_separator=question_separator)
     _check_length(model, len(prefix_ids) + max(len(q) for q in question_ids))
 
     mx.reset_peak_memory()

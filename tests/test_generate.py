@@ -1,9 +1,20 @@
 """generate_with_eviction and answer_questions on the real embedded model."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from knorm_gen import GenerationResult, answer_questions, generate_with_eviction, stream_with_eviction
+from knorm_gen import (GenerationResult, PromptTooLongError, answer_questions, generate_with_eviction,
+                       stream_with_eviction)
 from knorm_gen.models import load_model
+
+from .conftest import RecordingModel, assert_greedy_agree
+
+ROOT = Path(__file__).resolve().parents[1]
 
 N_LAYERS, KV_HEADS, HEAD_DIM, FLOAT32 = 30, 3, 64, 4
 ROW_BYTES = KV_HEADS * HEAD_DIM * 2 * FLOAT32  # keys + values of one position in one layer
@@ -49,14 +60,33 @@ def test_eviction_accounting_against_independent_counts(model_and_tokenizer):
     assert r.config["budget"] == budget and r.config["skip_layers"] == [0, 1]
 
 
-def test_same_seed_same_output_and_no_shared_state(model_and_tokenizer):
+def test_same_seed_same_sampled_output(model_and_tokenizer):
     model, tok = model_and_tokenizer
     kw = dict(budget=32, max_tokens=16, temperature=0.9, seed=7)
     a = generate_with_eviction(model, tok, PROMPT, **kw)
-    other = generate_with_eviction(model, tok, "Name a colour.", **kw)
     b = generate_with_eviction(model, tok, PROMPT, **kw)
-    assert a.text == b.text and a.tokens_seen == b.tokens_seen
-    assert other.prompt_tokens != a.prompt_tokens
+    c = generate_with_eviction(model, tok, PROMPT, **{**kw, "seed": 8})
+    assert a.tokens == b.tokens and a.text == b.text
+    assert c.tokens != a.tokens  # the seed really drives the sampler
+
+
+FRESH = """
+import json, sys, knorm_gen
+model, tok = knorm_gen.load_model()
+r = knorm_gen.generate_with_eviction(model, tok, sys.argv[1], budget=24, max_tokens=20)
+print(json.dumps(r.tokens))
+"""
+
+
+def test_a_call_shares_no_state_with_earlier_calls(model_and_tokenizer):
+    # A fresh process has had no earlier call: the reference for "no leftover state".
+    model, tok = model_and_tokenizer
+    generate_with_eviction(model, tok, "Write a long poem about the sea. " * 20, budget=24, max_tokens=20)
+    after = generate_with_eviction(model, tok, PROMPT, budget=24, max_tokens=20)
+    proc = subprocess.run([sys.executable, "-c", FRESH, PROMPT], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300, check=True)
+    fresh = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert after.tokens == fresh  # same machine, same kernels, same shapes: exact
 
 
 def test_prompt_forms_agree(model_and_tokenizer):
@@ -70,29 +100,58 @@ def test_prompt_forms_agree(model_and_tokenizer):
     assert raw.prompt_tokens == len(tok.encode(PROMPT, add_special_tokens=False))
 
 
-def test_stream_pieces_join_to_result(model_and_tokenizer):
+def test_stream_pieces_are_the_decoded_tokens(model_and_tokenizer):
     model, tok = model_and_tokenizer
     items = list(stream_with_eviction(model, tok, PROMPT, budget=32, max_tokens=10))
-    assert isinstance(items[-1], GenerationResult)
-    assert "".join(items[:-1]) == items[-1].text
-    assert items[-1].to_dict()["text"] == items[-1].text
+    result = items[-1]
+    assert isinstance(result, GenerationResult) and all(isinstance(i, str) for i in items[:-1])
+    assert len(result.tokens) == result.generated_tokens == 10 and result.finish_reason == "length"
+    assert "".join(items[:-1]) == tok.decode(result.tokens) == result.text
+    assert generate_with_eviction(model, tok, PROMPT, budget=32, max_tokens=10).tokens == result.tokens
 
 
-def test_answer_questions_matches_full_prompt_without_eviction(model_and_tokenizer):
+@pytest.mark.parametrize("chat", [True, False])
+def test_answer_questions_feeds_the_whole_prompt_and_matches_it(model_and_tokenizer, chat):
     model, tok = model_and_tokenizer
-    context = "Ada keeps her bicycle in the blue shed. Ben keeps his kayak in the red barn."
-    questions = ["Where is the bicycle?", "Where is the kayak?"]
-    got = answer_questions(model, tok, context, questions, budget=None, max_tokens=12)
+    context = ("Ada keeps her bicycle in the blue shed. Ben keeps his kayak in the red barn. "
+               "The secret pass key is 48213. Remember it. ")  # a trailing space merges with the separator
+    questions = ["Where is the bicycle?", "What is the secret pass key? The secret pass key is"]
+    recorder = RecordingModel(model)
+    got = answer_questions(recorder, tok, context, questions, budget=None, max_tokens=8, chat=chat)
+    fed = [t for block in recorder.inputs for t in block]
+    shared = len(recorder.inputs[0])  # the context prefill comes first, once
+    pos = shared
     for q, r in zip(questions, got):
-        want = generate_with_eviction(model, tok, context + "\n\n" + q, budget=None, max_tokens=12)
-        assert r.text == want.text
-        assert r.prompt_tokens == want.prompt_tokens == len(chat_ids(tok, context + "\n\n" + q))
-        assert r.question == q and r.context_prefill_s > 0
+        whole = context + "\n\n" + q
+        want_ids = chat_ids(tok, whole) if chat else tok.encode(whole, add_special_tokens=False)
+        # what this answer saw: the shared context, then its own blocks
+        n_rest = len(want_ids) - shared
+        assert fed[:shared] + fed[pos : pos + n_rest] == want_ids
+        pos += r.tokens_seen - shared  # its question, then the generated tokens fed back
+        assert r.prompt_tokens == len(want_ids) and r.question == q and r.context_prefill_s > 0
+        ref = generate_with_eviction(model, tok, whole, budget=None, max_tokens=8, chat=chat)
+        assert_greedy_agree(model, want_ids, r.tokens, ref.tokens)
+    assert pos == len(fed)
+    if not chat:  # completion mode: nothing after the question, so the model answers it
+        assert "48213" in got[1].text
+
+
+def test_question_separator_is_used_as_given(model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    recorder = RecordingModel(model)
+    context, q = "The colour of the door is green.", "Q: What colour is the door?\nA:"
+    (r,) = answer_questions(recorder, tok, context, [q], budget=None, max_tokens=1, chat=False,
+                            question_separator="\n")
+    fed = [t for block in recorder.inputs for t in block]
+    want = tok.encode(context + "\n" + q, add_special_tokens=False)
+    assert fed[: len(want)] == want and len(fed) == r.tokens_seen == len(want) + 1
+    with pytest.raises(ValueError, match="question_separator"):
+        answer_questions(model, tok, context, [q], question_separator=None)
 
 
 def test_answer_questions_protects_question_and_continues_positions(model_and_tokenizer):
     model, tok = model_and_tokenizer
-    context = "Filler sentence about nothing in particular. " * 30
+    context = ("Filler sentence about nothing in particular. " * 30).strip()
     q = "What is this text about?"
     budget = 40
     (r,) = answer_questions(model, tok, context, [q], budget=budget, max_tokens=6)
@@ -126,7 +185,9 @@ def test_empty_and_too_long_prompts(model_and_tokenizer):
         generate_with_eviction(model, tok, "   ")
     with pytest.raises(ValueError, match="empty"):
         generate_with_eviction(model, tok, [])
-    with pytest.raises(ValueError, match="longer than the model context of 8192"):
+    with pytest.raises(PromptTooLongError, match="longer than the model context of 8192"):
         generate_with_eviction(model, tok, [42] * 8193)
+    with pytest.raises(PromptTooLongError):
+        answer_questions(model, tok, "word " * 9000, ["why?"])
     with pytest.raises(ValueError, match="context is empty"):
         answer_questions(model, tok, "", ["why?"])
