@@ -7,6 +7,7 @@ attention, so when a layer's cache is over budget we keep the lowest-norm keys.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
@@ -24,6 +25,38 @@ _FLOAT32_INF_BITS = 0x7F800000
 _INT32_MAX = 2**31 - 1
 _POS_SHIFT = 1 << 32
 _POS_MASK = (1 << 32) - 1
+
+
+def missing_mlx_lm_protocol() -> list[str]:
+    """The pieces of mlx_lm's cache protocol this module relies on that the
+    installed mlx_lm lacks; empty when all are there. pyproject.toml pins the
+    tested range; this names what broke if someone installs another."""
+    from mlx_lm.models import base as _base
+
+    missing = []
+    for name in ("_BaseCache", "KVCache", "RotatingKVCache", "make_prompt_cache", "load_prompt_cache",
+                 "save_prompt_cache", "create_attention_mask"):
+        if not hasattr(_mlx_cache, name):
+            missing.append(f"mlx_lm.models.cache.{name}")
+    if not callable(getattr(getattr(_mlx_cache, "_BaseCache", None), "from_state", None)):
+        missing.append("mlx_lm.models.cache._BaseCache.from_state (load_prompt_cache rebuilds caches with it)")
+    try:
+        if "globals()" not in inspect.getsource(_mlx_cache.load_prompt_cache):
+            missing.append("load_prompt_cache looking cache classes up by name in mlx_lm.models.cache")
+    except (OSError, TypeError, AttributeError):
+        missing.append("the source of mlx_lm.models.cache.load_prompt_cache")
+    wanted = {
+        (_base, "create_attention_mask"): ("h", "cache", "window_size", "return_array"),
+        (_base, "create_causal_mask"): ("N", "offset", "window_size"),
+        (_mlx_cache, "create_attention_mask"): ("N", "offset", "return_array", "window_size"),
+    }
+    for (module, name), params in wanted.items():
+        fn = getattr(module, name, None)
+        have = set(inspect.signature(fn).parameters) if callable(fn) else set()
+        for p in params:
+            if p not in have:
+                missing.append(f"{module.__name__}.{name}(..., {p}=...)")
+    return missing
 
 
 def validate_eviction_args(budget: Any, n_sink: Any, recent: Any, keep: Any) -> None:
