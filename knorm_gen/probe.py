@@ -167,13 +167,14 @@ def probe_cli(argv: Optional[list[str]] = None) -> None:
     @click.option("--threshold", default=DEFAULT_THRESHOLD, show_default=True, type=float,
                   help="Suggest skipping layers whose mean correlation is above this.")
     @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
-                  help="Also write the report as JSON ('-' for stdout).")
+                  help="Also write the report as JSON ('-': stdout, and the table goes to stderr).")
     def command(model_spec: str, n_tokens: int, threshold: float, json_path: Optional[str]) -> None:
         from .models import load_model
 
         model, tokenizer = load_model(None if model_spec == "default" else model_spec)
         report = probe_model(model, tokenizer, n_tokens=n_tokens, threshold=threshold)
-        click.echo(report.format_table())
+        # With --json -, stdout carries only the JSON so a script can parse it.
+        click.echo(report.format_table(), err=json_path == "-")
         if json_path:
             text = json.dumps({"model": model_spec, **report.to_dict()}, indent=2)
             if json_path == "-":

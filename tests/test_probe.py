@@ -68,6 +68,15 @@ def test_probe_cli_on_default_model(tmp_path, capsys):
     assert len(data["layers"]) == 30 and data["tokens"] == 256
 
 
+def test_probe_json_to_stdout_is_parseable(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        probe_cli(["--tokens", "256", "--json", "-"])
+    assert exit_info.value.code == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)  # stdout holds the JSON and nothing else
+    assert len(data["layers"]) == 30 and "suggested skip_layers" in captured.err
+
+
 def test_corpus_is_real_text_in_order():
     sections = pydoc_sections(min_chars=6000)
     assert len(sections) >= 8
