@@ -1,4 +1,4 @@
-"""Rebuild examples/longdocs.jsonl and examples/questions.jsonl from pydoc_data.topics.
+"""Rebuild examples/prompts.jsonl, longdocs.jsonl and questions.jsonl from pydoc_data.topics.
 
 The text is the Python reference documentation that ships with CPython, so
 the files are deterministic for a given Python version (they were built
@@ -16,6 +16,10 @@ INSTRUCTION = "Summarize the following documentation in three sentences.\n\n"
 # Long sections, about 1,500-3,500 tokens each with the embedded model's tokenizer.
 LONG_TOPICS = ["typesmapping", "attribute-access", "comparisons", "assignment", "execmodel",
                "import", "try", "calls", "sequence-types", "function"]
+
+# The main job (make run): sections of about 800-1,250 tokens, long enough that a
+# 128-token budget really evicts (about 2.5x smaller KV cache with the default layers).
+MAIN_TOPICS = ["with", "binary", "objects", "identifiers"]
 
 # Shorter sections, each with questions whose answers are in its text.
 QUESTIONS = {
@@ -36,13 +40,17 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def main() -> None:
+    prompts = [{"id": name, "prompt": INSTRUCTION + topics[name].strip(), "source": f"pydoc_data.topics:{name}"}
+               for name in MAIN_TOPICS]
     longdocs = [{"id": name, "prompt": INSTRUCTION + topics[name].strip(), "source": f"pydoc_data.topics:{name}"}
                 for name in LONG_TOPICS]
     questions = [{"id": name, "context": topics[name].strip(), "questions": qs, "source": f"pydoc_data.topics:{name}"}
                  for name, qs in QUESTIONS.items()]
+    write_jsonl(HERE / "prompts.jsonl", prompts)
     write_jsonl(HERE / "longdocs.jsonl", longdocs)
     write_jsonl(HERE / "questions.jsonl", questions)
-    print(f"wrote {len(longdocs)} rows to longdocs.jsonl and {len(questions)} to questions.jsonl")
+    print(f"wrote {len(prompts)} rows to prompts.jsonl, {len(longdocs)} to longdocs.jsonl "
+          f"and {len(questions)} to questions.jsonl")
 
 
 if __name__ == "__main__":
