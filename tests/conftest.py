@@ -76,3 +76,46 @@ class RecordingModel:
 
     def __getattr__(self, name):
         return getattr(self._model, name)
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_model_dir(path, layers: int = 4, seed: int = 0):
+    """An mlx_lm model folder (config, safetensors, tokenizer) holding a tiny random
+    llama with a byte-level tokenizer: ``--model <path>`` loads it in any process,
+    in well under a second, so runner tests need no real weights."""
+    from pathlib import Path
+
+    from mlx_lm.utils import save_config, save_model
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=TINY_CHAT_TEMPLATE,
+                                 eos_token="<|im_end|>", bos_token=None)
+    hf.save_pretrained(str(path))
+    vocab = tok.get_vocab_size()
+    model = tiny_llama(layers=layers, seed=seed, vocab=vocab)
+    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                  vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=True)
+    save_model(path, model)
+    save_config(config, path / "config.json")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
