@@ -6,13 +6,12 @@ from .runtime import preload_blas as _preload_blas
 _preload_blas()
 
 from .cache import (  # noqa: E402
-    KEEP_MODES,
     CacheStats,
-    EvictionConfig,
     L2NormKVCache,
     cache_stats,
     make_eviction_cache,
 )
+from .config import KEEP_MODES, EvictionConfig, GenerationConfig  # noqa: E402
 from .generate import (  # noqa: E402
     GenerationResult,
     PromptTooLongError,
@@ -29,6 +28,7 @@ __all__ = [
     "KEEP_MODES",
     "CacheStats",
     "EvictionConfig",
+    "GenerationConfig",
     "GenerationResult",
     "PromptTooLongError",
     "L2NormKVCache",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
 import mlx.core as mx
@@ -16,15 +16,16 @@ import mlx.nn as nn
 from mlx_lm.models import cache as _mlx_cache
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask, make_prompt_cache
 
-KEEP_MODES = ("low", "high", "random", "recent")
-"""Ranking rules. ``low`` is the paper's; ``high`` its ablation; ``random`` and
-``recent`` (StreamingLLM: sinks + most recent) are baselines on the same machinery."""
+from .config import (  # noqa: F401  (re-exported: they lived here first)
+    KEEP_MODES,
+    EvictionConfig,
+    auto_recent,
+    default_skip_layers,
+    validate_eviction_args,
+)
+from .scores import SCORES, pack_ranks, protect_recent, rank_positions
 
 _STEP = 256
-_FLOAT32_INF_BITS = 0x7F800000
-_INT32_MAX = 2**31 - 1
-_POS_SHIFT = 1 << 32
-_POS_MASK = (1 << 32) - 1
 
 
 def missing_mlx_lm_protocol() -> list[str]:
@@ -57,26 +58,6 @@ def missing_mlx_lm_protocol() -> list[str]:
             if p not in have:
                 missing.append(f"{module.__name__}.{name}(..., {p}=...)")
     return missing
-
-
-def validate_eviction_args(budget: Any, n_sink: Any, recent: Any, keep: Any) -> None:
-    """Raise ValueError naming the field when an eviction setting is invalid."""
-    for name, value in (("budget", budget), ("n_sink", n_sink), ("recent", recent)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
-    if budget < 1:
-        raise ValueError(f"budget must be >= 1, got {budget}")
-    if n_sink < 0:
-        raise ValueError(f"n_sink must be >= 0, got {n_sink}")
-    if recent < 0:
-        raise ValueError(f"recent must be >= 0, got {recent}")
-    if n_sink + recent >= budget:
-        raise ValueError(
-            f"n_sink + recent must be < budget (got n_sink={n_sink}, recent={recent}, "
-            f"budget={budget}): nothing would be left to choose by key norm"
-        )
-    if keep not in KEEP_MODES:
-        raise ValueError(f"keep must be one of {', '.join(KEEP_MODES)}; got {keep!r}")
 
 
 class L2NormKVCache(_BaseCache):
@@ -219,7 +200,7 @@ class L2NormKVCache(_BaseCache):
     def ordered_state(self) -> tuple[mx.array, mx.array, mx.array]:
         """Kept ``(keys, values, positions)`` per head, sorted by position."""
         keys, values, rank = self._rows()
-        pos = _positions(rank)
+        pos = rank_positions(rank)
         order = mx.argsort(pos, axis=-1)
         return (
             mx.take_along_axis(keys, order[..., None], axis=2),
@@ -229,32 +210,12 @@ class L2NormKVCache(_BaseCache):
 
     # ---- internals -------------------------------------------------------------
     def _rank(self, keys: mx.array, start: int) -> mx.array:
-        """int64 rank per incoming token; ascending = kept first.
-
-        Non-negative float32 bit patterns order like the values, so the
-        squared key norm becomes an exact integer score.
-        """
-        n = keys.shape[2]
-        pos = start if n == 1 else mx.arange(start, start + n, dtype=mx.int64)
-        if self.keep == "recent":
-            score = _INT32_MAX - mx.broadcast_to(mx.array(pos, dtype=mx.int64), keys.shape[:3])
-        elif self.keep == "random":
-            score = mx.view(mx.random.uniform(shape=keys.shape[:3], dtype=mx.float32), mx.int32).astype(mx.int64)
-        else:
-            sq = mx.sum(mx.square(keys.astype(mx.float32)), axis=-1)
-            score = mx.view(sq, mx.int32).astype(mx.int64)
-            if self.keep == "high":
-                score = _FLOAT32_INF_BITS - score
-        rank = score * _POS_SHIFT + pos
-        if start < self.n_sink:
-            pos = mx.arange(start, start + n, dtype=mx.int64)
-            rank = mx.where(pos < self.n_sink, pos - _POS_SHIFT, rank)
-        return rank
+        """int64 rank per incoming token; ascending = kept first."""
+        positions = mx.arange(start, start + keys.shape[2], dtype=mx.int64)[None, None]
+        return pack_ranks(SCORES[self.keep](keys, positions), positions, self.n_sink)
 
     def _evict_key(self, rank: mx.array) -> mx.array:
-        if self.recent == 0:
-            return rank
-        return mx.where(_positions(rank) >= self.offset - self.recent, -1, rank)
+        return rank if self.recent == 0 else protect_recent(rank, self.offset - self.recent)
 
     def _rows(self) -> tuple[mx.array, mx.array, mx.array]:
         """The held rows without the evicted slot (stored order, not time order)."""
@@ -336,92 +297,8 @@ class L2NormKVCache(_BaseCache):
         return all_k, all_v
 
 
-def _positions(rank: mx.array) -> mx.array:
-    return mx.bitwise_and(rank, _POS_MASK).astype(mx.int32)
-
-
 # load_prompt_cache rebuilds caches by class name from mlx_lm's cache module.
 _mlx_cache.L2NormKVCache = L2NormKVCache
-
-
-SKIP_FRACTION = 0.3
-"""Default share of leading layers kept uncompressed. On the embedded model,
-compressing layers 2-8 broke passkey retrieval at every length we measured,
-and leaving layers 0-8 (30% of 30) uncompressed restored it (README, Results)."""
-
-
-def default_skip_layers(n_layers: int) -> tuple[int, ...]:
-    """The first 30% of layers (at least two, as in the paper)."""
-    return tuple(range(min(n_layers, max(2, round(SKIP_FRACTION * n_layers)))))
-
-
-def auto_recent(budget: int) -> int:
-    """The default recent window: budget // 8. Our perplexity benchmark showed
-    keep-low without one losing far more than with it (README, Results)."""
-    return budget // 8
-
-
-@dataclass(frozen=True)
-class EvictionConfig:
-    """How every compressed layer evicts. ``budget=None`` means no eviction;
-    ``recent=None`` means :func:`auto_recent` (``budget // 8``, per layer);
-    ``skip_layers=None`` means :func:`default_skip_layers` of the model.
-    ``layer_budgets`` (``{layer: budget}``) overrides the budget of single
-    layers, e.g. more for the early layers that retrieval depends on."""
-
-    budget: Optional[int] = 512
-    n_sink: int = 4
-    recent: Optional[int] = None
-    keep: str = "low"
-    skip_layers: Optional[tuple[int, ...]] = None
-    layer_budgets: Optional[dict] = None
-    recent_auto: bool = field(default=False, init=False, repr=False, compare=False)
-
-    def __post_init__(self):
-        if self.skip_layers is not None:
-            object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
-        object.__setattr__(self, "recent_auto", self.recent is None)
-        if self.layer_budgets is not None:
-            if not isinstance(self.layer_budgets, dict):
-                raise ValueError(f"layer_budgets must map layer index to budget, got {self.layer_budgets!r}")
-            object.__setattr__(self, "layer_budgets", {int(k): v for k, v in self.layer_budgets.items()})
-            for layer, b in self.layer_budgets.items():
-                try:
-                    validate_eviction_args(b, self.n_sink, self.layer_recent(b), self.keep)
-                except ValueError as e:
-                    raise ValueError(f"layer_budgets[{layer}]: {e}") from None
-        if self.recent is None:
-            object.__setattr__(self, "recent", 0 if self.budget is None or not isinstance(self.budget, int)
-                               or isinstance(self.budget, bool) else auto_recent(self.budget))
-        for i in self.skip_layers or ():
-            if isinstance(i, bool) or not isinstance(i, int):
-                raise ValueError(f"skip_layers must hold layer indices (integers), got {i!r}")
-        if self.budget is not None:
-            validate_eviction_args(self.budget, self.n_sink, self.recent, self.keep)
-
-    def layer_recent(self, budget: int) -> int:
-        """The recent window of a layer holding ``budget`` tokens."""
-        return auto_recent(budget) if self.recent_auto else self.recent
-
-    def resolved(self, n_layers: int) -> "EvictionConfig":
-        """This config with ``skip_layers`` made explicit for a model of ``n_layers``."""
-        if self.skip_layers is not None:
-            return self
-        recent = None if self.recent_auto else self.recent
-        return EvictionConfig(self.budget, self.n_sink, recent, self.keep, default_skip_layers(n_layers),
-                              self.layer_budgets)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("recent_auto")
-        d["skip_layers"] = None if self.skip_layers is None else list(self.skip_layers)
-        if self.layer_budgets is None:
-            d.pop("layer_budgets")
-        return d
-
-    def __hash__(self) -> int:
-        return hash((self.budget, self.n_sink, self.recent, self.keep, self.skip_layers or None,
-                     tuple(sorted((self.layer_budgets or {}).items()))))
 
 
 def make_eviction_cache(model: nn.Module, config: EvictionConfig | None = None) -> list:
@@ -432,17 +309,9 @@ def make_eviction_cache(model: nn.Module, config: EvictionConfig | None = None) 
     config = (config or EvictionConfig()).resolved(len(caches))
     if config.budget is None:
         return caches
-    n = len(caches)
-    skip = set()
-    for i in config.skip_layers:
-        if not -n <= i < n:
-            raise ValueError(f"skip_layers index {i} is out of range for a model with {n} layers")
-        skip.add(i % n)
-    budgets = {}
-    for i, b in (config.layer_budgets or {}).items():
-        if not -n <= i < n:
-            raise ValueError(f"layer_budgets index {i} is out of range for a model with {n} layers")
-        budgets[i % n] = b
+    n = len(caches)  # resolved() has checked every index against it
+    skip = {i % n for i in config.skip_layers}
+    budgets = {i % n: b for i, b in (config.layer_budgets or {}).items()}
     out = []
     for i, c in enumerate(caches):
         if type(c) is KVCache and i not in skip:

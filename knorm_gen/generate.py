@@ -11,14 +11,17 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .cache import EvictionConfig, L2NormKVCache, cache_stats, copy_caches, make_eviction_cache
+from .cache import L2NormKVCache, cache_stats, copy_caches, make_eviction_cache
+from .config import (  # noqa: F401  (DEFAULT_* re-exported)
+    DEFAULT_PREFILL_STEP,
+    DEFAULT_QUESTION_SEPARATOR,
+    EvictionConfig,
+    GenerationConfig,
+    make_configs,
+)
 from .models import model_context_length
 
 Prompt = Union[str, Sequence[int], mx.array, Sequence[dict]]
-
-DEFAULT_PREFILL_STEP = 512
-DEFAULT_QUESTION_SEPARATOR = "\n\n"
-"""What :func:`answer_questions` puts between the context and each question."""
 
 
 class PromptTooLongError(ValueError):
@@ -118,32 +121,21 @@ def _check_length(model: Any, n_prompt: int) -> None:
         raise PromptTooLongError(f"prompt has {n_prompt} tokens, longer than the model context of {ctx} tokens")
 
 
-def _check_sampling(max_tokens: int, temperature: float, top_p: float) -> None:
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+def _configs(model: Any, eviction, generation, settings) -> tuple[EvictionConfig, GenerationConfig]:
+    eviction, generation = make_configs(eviction, generation, **settings)
+    return eviction.resolved(len(model.layers)), generation
 
 
-def _config(model, budget, n_sink, recent, keep, skip_layers) -> EvictionConfig:
-    config = EvictionConfig(budget=budget, n_sink=n_sink, recent=recent, keep=keep,
-                            skip_layers=None if skip_layers is None else tuple(skip_layers))
-    return config.resolved(len(model.layers))
+def _sampler(generation: GenerationConfig):
+    return make_sampler(temp=generation.temperature, top_p=generation.top_p if generation.top_p < 1 else 0.0)
 
 
-def _sampler(temperature: float, top_p: float):
-    return make_sampler(temp=temperature, top_p=top_p if top_p < 1 else 0.0)
+def result_config(eviction: EvictionConfig, generation: GenerationConfig) -> dict:
+    """The settings a result reports: the resolved eviction config plus generation."""
+    return {**eviction.to_dict(), **generation.to_dict()}
 
 
-def _result_config(config: EvictionConfig, max_tokens, temperature, top_p, seed, prefill_step_size) -> dict:
-    """The settings a result reports: the resolved eviction config plus sampling."""
-    return {**config.to_dict(), "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
-            "seed": seed, "prefill_step_size": prefill_step_size}
-
-
-def _run(model, tok, ids, caches, *, max_tokens, sampler, prefill_step_size, config_dict, prompt_tokens,
+def _run(model, tok, ids, caches, *, generation: GenerationConfig, config_dict, prompt_tokens,
          extra_prefill_s=0.0, question=None) -> Iterator[Union[str, GenerationResult]]:
     """Drive mlx_lm's stream_generate over ``caches``; yield text, then the result."""
     last = None
@@ -151,8 +143,9 @@ def _run(model, tok, ids, caches, *, max_tokens, sampler, prefill_step_size, con
     tokens = []
     tic = time.perf_counter()
     first_at = None
-    for resp in stream_generate(model, tok, mx.array(ids), max_tokens=max_tokens, sampler=sampler,
-                                prompt_cache=caches, prefill_step_size=prefill_step_size):
+    for resp in stream_generate(model, tok, mx.array(ids), max_tokens=generation.max_tokens,
+                                sampler=_sampler(generation), prompt_cache=caches,
+                                prefill_step_size=generation.prefill_step_size):
         if first_at is None:
             first_at = time.perf_counter()
         last = resp
@@ -191,44 +184,46 @@ def stream_with_eviction(
     tokenizer: Any,
     prompt: Prompt,
     *,
-    budget: Optional[int] = 512,
-    n_sink: int = 4,
-    recent: Optional[int] = None,
-    keep: str = "low",
-    skip_layers: Optional[Sequence[int]] = None,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: Optional[int] = None,
-    prefill_step_size: int = DEFAULT_PREFILL_STEP,
-    chat: Optional[bool] = None,
+    eviction: Optional[EvictionConfig] = None,
+    generation: Optional[GenerationConfig] = None,
+    **settings: Any,
 ) -> Iterator[Union[str, GenerationResult]]:
     """Like :func:`generate_with_eviction`, but yields text pieces as they are
     decoded and ends with the :class:`GenerationResult`."""
-    config = _config(model, budget, n_sink, recent, keep, skip_layers)
-    _check_sampling(max_tokens, temperature, top_p)
+    eviction, generation = _configs(model, eviction, generation, settings)
     tok = _as_tokenizer(tokenizer)
-    ids = encode_prompt(tok, prompt, chat)
+    ids = encode_prompt(tok, prompt, generation.chat)
     _check_length(model, len(ids))
-    if seed is not None:
-        mx.random.seed(seed)
+    if generation.seed is not None:
+        mx.random.seed(generation.seed)
     mx.reset_peak_memory()
-    caches = make_eviction_cache(model, config)
-    cfg = _result_config(config, max_tokens, temperature, top_p, seed, prefill_step_size)
-    yield from _run(model, tok, ids, caches, max_tokens=max_tokens, sampler=_sampler(temperature, top_p),
-                    prefill_step_size=prefill_step_size, config_dict=cfg, prompt_tokens=len(ids))
+    caches = make_eviction_cache(model, eviction)
+    yield from _run(model, tok, ids, caches, generation=generation,
+                    config_dict=result_config(eviction, generation), prompt_tokens=len(ids))
 
 
-def generate_with_eviction(model: Any, tokenizer: Any, prompt: Prompt, **kwargs: Any) -> GenerationResult:
+def generate_with_eviction(
+    model: Any,
+    tokenizer: Any,
+    prompt: Prompt,
+    *,
+    eviction: Optional[EvictionConfig] = None,
+    generation: Optional[GenerationConfig] = None,
+    **settings: Any,
+) -> GenerationResult:
     """Generate a completion with L2Norm KV-cache eviction.
 
     ``prompt`` is text (the chat template is applied when the tokenizer has one,
-    unless ``chat=False``), token ids, or chat messages. ``budget=None`` runs the
-    full cache through the same code path. Keyword arguments are those of
-    :func:`stream_with_eviction`. Raises ``ValueError`` naming the problem for
-    bad arguments, an empty prompt, or a prompt longer than the model context.
+    unless ``chat=False``), token ids, or chat messages. Settings come from
+    ``eviction`` (:class:`EvictionConfig`) and ``generation``
+    (:class:`GenerationConfig`), or as keywords naming their fields
+    (``budget=64, max_tokens=48``), which override the configs. ``budget=None``
+    runs the full cache through the same code path. Raises ``ValueError``
+    naming the problem for bad settings or an empty prompt, and
+    :class:`PromptTooLongError` for a prompt longer than the model context.
     """
-    *_, result = stream_with_eviction(model, tokenizer, prompt, **kwargs)
+    *_, result = stream_with_eviction(model, tokenizer, prompt, eviction=eviction, generation=generation,
+                                      **settings)
     return result
 
 
@@ -273,35 +268,26 @@ def answer_questions(
     context: str,
     questions: Sequence[str],
     *,
-    budget: Optional[int] = 512,
-    n_sink: int = 4,
-    recent: Optional[int] = None,
-    keep: str = "low",
-    skip_layers: Optional[Sequence[int]] = None,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: Optional[int] = None,
-    prefill_step_size: int = DEFAULT_PREFILL_STEP,
-    chat: Optional[bool] = None,
-    question_separator: str = DEFAULT_QUESTION_SEPARATOR,
+    eviction: Optional[EvictionConfig] = None,
+    generation: Optional[GenerationConfig] = None,
+    **settings: Any,
 ) -> list[GenerationResult]:
     """Compress ``context`` once, then answer each question from its own copy.
 
-    Each prompt is ``context + question_separator + question`` (default a blank
-    line), through the chat template when ``chat`` (default: when the
-    tokenizer has one). In completion mode (``chat=False``) nothing follows the
-    question, so a base-model user can write the question as the start of the
-    answer ("... The pass key is"). The tokens fed are exactly those of the
-    whole prompt encoded at once (see :func:`split_question_prompts`).
+    Each prompt is ``context + question_separator + question`` (a
+    :class:`GenerationConfig` field, default a blank line), through the chat
+    template when ``chat`` (default: when the tokenizer has one). In completion
+    mode (``chat=False``) nothing follows the question, so a base-model user
+    can write the question as the start of the answer ("... The pass key is").
+    The tokens fed are exactly those of the whole prompt encoded at once (see
+    :func:`split_question_prompts`). Settings as in :func:`generate_with_eviction`.
 
     The question and answer tokens are never evicted (the copy is pinned), and
     positions continue from the true context length. One result per question;
     each result's ``prefill_s`` includes the shared context prefill, also
     reported alone as ``context_prefill_s``.
     """
-    config = _config(model, budget, n_sink, recent, keep, skip_layers)
-    _check_sampling(max_tokens, temperature, top_p)
+    eviction, generation = _configs(model, eviction, generation, settings)
     if not isinstance(context, str) or not context.strip():
         raise ValueError("context is empty")
     if isinstance(questions, str):
@@ -311,34 +297,31 @@ def answer_questions(
     for i, q in enumerate(questions):
         if not isinstance(q, str) or not q.strip():
             raise ValueError(f"question {i} is empty or not text")
-    if not isinstance(question_separator, str):
-        raise ValueError(f"question_separator must be text, got {question_separator!r}")
     tok = _as_tokenizer(tokenizer)
-    if chat is None:
-        chat = _has_chat_template(tok)
+    chat = _has_chat_template(tok) if generation.chat is None else generation.chat
     prefix_ids, question_ids = split_question_prompts(tok, context, questions, chat=chat,
-                                                      question_separator=question_separator)
+                                                      question_separator=generation.question_separator)
     _check_length(model, len(prefix_ids) + max(len(q) for q in question_ids))
 
     mx.reset_peak_memory()
-    caches = make_eviction_cache(model, config)
+    caches = make_eviction_cache(model, eviction)
     tic = time.perf_counter()
-    for start in range(0, len(prefix_ids), prefill_step_size):
-        model(mx.array(prefix_ids[start : start + prefill_step_size])[None], cache=caches)
+    step = generation.prefill_step_size
+    for start in range(0, len(prefix_ids), step):
+        model(mx.array(prefix_ids[start : start + step])[None], cache=caches)
         mx.eval([c.state for c in caches])
     context_s = time.perf_counter() - tic
-    cfg = _result_config(config, max_tokens, temperature, top_p, seed, prefill_step_size)
+    cfg = result_config(eviction, generation)
 
     results = []
     for q, ids in zip(questions, question_ids):
-        if seed is not None:
-            mx.random.seed(seed)
+        if generation.seed is not None:
+            mx.random.seed(generation.seed)
         own = copy_caches(caches)
         for c in own:
             if isinstance(c, L2NormKVCache):
                 c.pin()
-        *_, result = _run(model, tok, ids, own, max_tokens=max_tokens, sampler=_sampler(temperature, top_p),
-                          prefill_step_size=prefill_step_size, config_dict=cfg, extra_prefill_s=context_s,
+        *_, result = _run(model, tok, ids, own, generation=generation, config_dict=cfg, extra_prefill_s=context_s,
                           prompt_tokens=len(prefix_ids) + len(ids), question=q)
         results.append(result)
     return results
