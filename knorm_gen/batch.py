@@ -1,46 +1,50 @@
 """The batch runner: JSONL rows in, one durable JSONL record per row out.
 
-Rows are processed in input order, one at a time. Each record is written
-whole and fsynced before the next row starts. Rerunning over the same output
-resumes: rows whose id already has a successful record are skipped, failed
-records are dropped and retried, a torn last line is cut away.
+Each record is written whole and fsynced as its row finishes. Rerunning over
+the same output resumes: a row counts as done when the output holds a
+successful record for its id *made from the same row and settings* (the
+record's ``fingerprint``); failed records are dropped and retried; a torn last
+line is cut away. Before any work the runner refuses what would lose or mix up
+work: side files that are the input, a second run on a locked output, an
+output whose records no longer match the input (see :func:`plan_resume`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import os
 import signal
+import stat
 import sys
+import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Optional, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Optional, Sequence
 
 from tqdm import tqdm
 
 from . import records as rec
-from .cache import EvictionConfig, default_skip_layers
+from .config import EvictionConfig, GenerationConfig, make_configs
 
 EXIT_OK = 0
 EXIT_ROWS_FAILED = 1
 EXIT_USAGE = 2
+EXIT_IO_ERROR = 3
+EXIT_INTERNAL_ERROR = 4
 EXIT_INTERRUPTED = 130
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
 
 STATS_FIELDS = (
     "finish_reason", "prompt_tokens", "generated_tokens", "tokens_seen", "tokens_kept", "compression_ratio",
     "kept_bytes", "full_bytes", "prefill_s", "decode_s", "prompt_tps", "generation_tps", "peak_memory_gb",
 )
-RECORD_FIELDS = ("id", "completion", "answers", *STATS_FIELDS, "model", "config", "meta", "error")
+RECORD_FIELDS = ("id", "completion", "answers", *STATS_FIELDS, "model", "config", "meta", "fingerprint", "error")
 ANSWER_FIELDS = ("question", "answer", "finish_reason", "prompt_tokens", "generated_tokens", "tokens_seen",
                  "tokens_kept", "compression_ratio", "prefill_s", "decode_s", "generation_tps")
-
-
-_DEFAULTS = EvictionConfig()
-
-
-def _layers(value) -> Optional[tuple[int, ...]]:
-    return None if value is None else tuple(value)
 
 
 class BatchUsageError(ValueError):
@@ -52,42 +56,21 @@ class BatchOptions:
     """Everything a run needs besides its rows. Defaults are the command's."""
 
     model: str = "default"
-    budget: Optional[int] = _DEFAULTS.budget
-    n_sink: int = _DEFAULTS.n_sink
-    recent: Optional[int] = None  # None: the library's automatic window (budget // 8)
-    keep: str = _DEFAULTS.keep
-    skip_layers: Optional[tuple[int, ...]] = None  # None: the library default for the model
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: Optional[int] = None
-    chat: Optional[bool] = None
-    prefill_step_size: int = 512
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     overwrite: bool = False
+    accept_old_records: bool = False
     limit: Optional[int] = None
     stats_log: Optional[str] = None
     summary_json: Optional[str] = None
 
     def check(self) -> None:
-        """Raise :class:`BatchUsageError` with the library's message for a bad setting."""
-        try:
-            EvictionConfig(budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
-                           skip_layers=_layers(self.skip_layers))
-            from .generate import _check_sampling
-
-            _check_sampling(self.max_tokens, self.temperature, self.top_p)
-        except ValueError as e:
-            raise BatchUsageError(str(e)) from None
-        if self.limit is not None and self.limit < 0:
-            raise BatchUsageError(f"limit must be >= 0, got {self.limit}")
-
-    def generation_kwargs(self, overrides: Optional[dict] = None) -> dict:
-        kw = dict(budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
-                  skip_layers=_layers(self.skip_layers), max_tokens=self.max_tokens,
-                  temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                  prefill_step_size=self.prefill_step_size, chat=self.chat)
-        kw.update(overrides or {})
-        return kw
+        """Raise :class:`BatchUsageError` for a bad runner setting (the configs check themselves)."""
+        if not isinstance(self.eviction, EvictionConfig) or not isinstance(self.generation, GenerationConfig):
+            raise BatchUsageError("eviction and generation must be EvictionConfig and GenerationConfig")
+        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int)
+                                       or self.limit < 0):
+            raise BatchUsageError(f"limit must be an integer >= 0, got {self.limit!r}")
 
 
 @dataclass
@@ -111,10 +94,16 @@ class BatchSummary:
     tokens_per_s: float = 0.0
     generated_tokens_per_s: float = 0.0
     interrupted: bool = False
+    io_error: Optional[str] = None
+    pipe_closed: bool = False
     errors: dict = field(default_factory=dict)  # error type -> count
 
     @property
     def exit_code(self) -> int:
+        if self.pipe_closed:
+            return EXIT_PIPE_CLOSED
+        if self.io_error:
+            return EXIT_IO_ERROR
         if self.interrupted:
             return EXIT_INTERRUPTED
         return EXIT_ROWS_FAILED if self.failed else EXIT_OK
@@ -133,6 +122,8 @@ class BatchSummary:
                          f"(min {self.compression_min:.2f}x, max {self.compression_max:.2f}x)")
         lines.append(f"  wall {self.wall_s:.1f} s; {self.tokens_per_s:.1f} tokens/s processed, "
                      f"{self.generated_tokens_per_s:.1f} tokens/s generated")
+        if self.io_error:
+            lines.append(f"  stopped: {self.io_error}")
         return "\n".join(lines)
 
 
@@ -141,12 +132,20 @@ class BatchSummary:
 _MODELS: dict[str, tuple[Any, Any]] = {}
 
 
+def _looks_like_path(spec: str) -> bool:
+    # A hub id is "owner/name"; anything else with a separator, or a file suffix, is a path.
+    return (spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or spec.lower().endswith(".gguf")
+            or os.sep != "/" and os.sep in spec)
+
+
 def get_model(spec: str = "default") -> tuple[Any, Any]:
     """``load_model(spec)``, cached per spec for the life of the process."""
     key = spec or "default"
     if key not in _MODELS:
         from .models import load_model
 
+        if _looks_like_path(key) and not Path(key).expanduser().exists():
+            raise BatchUsageError(f"cannot load model {key!r}: the path {Path(key).expanduser()} does not exist")
         try:
             _MODELS[key] = load_model(key)
         except Exception as e:  # any loader failure is a usage error: nothing has run yet
@@ -157,6 +156,24 @@ def get_model(spec: str = "default") -> tuple[Any, Any]:
 # ------------------------------------------------------------------ records
 
 
+def row_configs(options: BatchOptions, row: Optional[rec.Row] = None) -> tuple[EvictionConfig, GenerationConfig]:
+    """A row's effective settings: the run's, with its per-row overrides. ValueError names a bad one."""
+    return make_configs(options.eviction, options.generation, **(row.overrides if row else {}))
+
+
+def record_config(eviction: EvictionConfig, generation: GenerationConfig) -> dict:
+    """The ``config`` a record reports (the same dict a GenerationResult carries)."""
+    from .generate import result_config
+
+    return result_config(eviction, generation)
+
+
+def fingerprint(row: rec.Row, config: dict, model: str) -> str:
+    """What produced a record: the row's content, its effective settings and the model spec."""
+    text = json.dumps({"row": row.digest, "config": config, "model": model}, sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
 def empty_record(row_id: Any, options: BatchOptions, config: dict, meta: Optional[dict]) -> dict:
     """The one record shape: every field present, numbers null until known."""
     record = dict.fromkeys(RECORD_FIELDS)
@@ -164,38 +181,54 @@ def empty_record(row_id: Any, options: BatchOptions, config: dict, meta: Optiona
     return record
 
 
-def row_config(options: BatchOptions, overrides: Optional[dict] = None) -> dict:
-    """The effective eviction and sampling settings of a row, as written in ``config``."""
-    kw = options.generation_kwargs(overrides)
-    eviction = dict(budget=kw["budget"], n_sink=kw["n_sink"], recent=kw["recent"], keep=kw["keep"],
-                    skip_layers=_layers(kw["skip_layers"]))
-    try:
-        config = EvictionConfig(**eviction).to_dict()  # resolves the automatic recent window
-    except ValueError:  # a bad per-row override: the record's error says why
-        config = {**eviction, "skip_layers": None if eviction["skip_layers"] is None else list(eviction["skip_layers"])}
-    for name in ("max_tokens", "temperature", "top_p", "seed", "prefill_step_size", "chat"):
-        config[name] = kw[name]
-    return config
+@dataclass
+class _Context:
+    """What every row of a run shares once the model is loaded."""
+
+    options: BatchOptions
+    model: Any
+    tokenizer: Any
+    eviction: EvictionConfig  # resolved for the model
+    base_config: dict
+
+    def row_settings(self, row: rec.Row) -> tuple[EvictionConfig, GenerationConfig, dict]:
+        eviction, generation = row_configs(self.options, row)
+        eviction = eviction.resolved(len(self.model.layers))
+        return eviction, generation, record_config(eviction, generation)
+
+    def expected_fingerprint(self, row: rec.Row) -> Optional[str]:
+        try:
+            _, _, config = self.row_settings(row)
+        except ValueError:
+            return None  # a bad override: the row fails, nothing to resume
+        return fingerprint(row, config, self.options.model)
 
 
-def error_record(err: rec.RowError, options: BatchOptions) -> dict:
-    record = empty_record(err.id, options, row_config(options), err.meta)
+def error_record(err: rec.RowError, ctx: _Context) -> dict:
+    record = empty_record(err.id, ctx.options, ctx.base_config, err.meta)
     record["error"] = err.to_dict()
     return record
 
 
-def run_row(model: Any, tokenizer: Any, row: rec.Row, options: BatchOptions) -> dict:
+def run_row(row: rec.Row, ctx: _Context) -> dict:
     """Generate for one row; a ValueError or any other failure becomes the record's error."""
     from .generate import PromptTooLongError, answer_questions, generate_with_eviction
 
-    kwargs = options.generation_kwargs(row.overrides)
-    record = empty_record(row.id, options, row_config(options, row.overrides), row.meta)
+    try:
+        eviction, generation, config = ctx.row_settings(row)
+    except ValueError as e:
+        record = empty_record(row.id, ctx.options, ctx.base_config, row.meta)
+        record["error"] = {"type": rec.INVALID_ROW, "message": f"line {row.line}: {e}", "line": row.line}
+        return record
+    record = empty_record(row.id, ctx.options, config, row.meta)
+    record["fingerprint"] = fingerprint(row, config, ctx.options.model)
+    kw = dict(eviction=eviction, generation=generation)
     try:
         if row.kind == "questions":
-            results = answer_questions(model, tokenizer, row.context, row.questions, **kwargs)
+            results = answer_questions(ctx.model, ctx.tokenizer, row.context, row.questions, **kw)
             record.update(_question_numbers(results))
         else:
-            result = generate_with_eviction(model, tokenizer, row.prompt, **kwargs)
+            result = generate_with_eviction(ctx.model, ctx.tokenizer, row.prompt, **kw)
             record["completion"] = result.text
             record.update({k: getattr(result, k) for k in STATS_FIELDS})
     except KeyboardInterrupt:
@@ -210,6 +243,19 @@ def run_row(model: Any, tokenizer: Any, row: rec.Row, options: BatchOptions) -> 
         for name in STATS_FIELDS:
             record[name] = None
         record["completion"] = record["answers"] = None
+    return _finite(record)
+
+
+def _finite(record: dict) -> dict:
+    """Output is strict JSON: a non-finite number (a rate over zero seconds) becomes null."""
+    for name in STATS_FIELDS:
+        value = record.get(name)
+        if isinstance(value, float) and not math.isfinite(value):
+            record[name] = None
+    for answer in record.get("answers") or ():
+        for name, value in answer.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                answer[name] = None
     return record
 
 
@@ -252,66 +298,195 @@ def stats_entry(record: dict, line: int) -> dict:
     return entry
 
 
-# ------------------------------------------------------------------ the run
-
-
-class _StopFlag:
-    """First Ctrl-C: finish and write the current row, then stop. Second: abort now."""
-
-    def __init__(self, notify: Callable[[str], None]):
-        self.set = False
-        self._notify = notify
-        self._old = None
-
-    def __enter__(self) -> "_StopFlag":
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.set:
-            raise KeyboardInterrupt
-        self.set = True
-        self._notify("\nstopping after the current row is written (Ctrl-C again to abort it)")
-
-    def __exit__(self, *exc) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-
-
-def open_input(path: str) -> BinaryIO:
-    """The input as a binary stream; ``-`` is stdin. Unreadable input is a usage error."""
-    if path == "-":
-        return sys.stdin.buffer
-    p = Path(path)
-    if p.is_dir():
-        raise BatchUsageError(f"input {path} is a directory, not a JSONL file")
-    try:
-        return open(p, "rb")
-    except OSError as e:
-        raise BatchUsageError(f"cannot read input {path}: {e.strerror or e}") from None
+# ------------------------------------------------------------------ files
 
 
 def default_output(input_path: str) -> str:
-    """``<input stem>.completions.jsonl`` beside the input; stdout for stdin."""
-    if input_path == "-":
+    """``<input stem>.completions.jsonl`` beside a regular input file; stdout otherwise
+    (stdin, a pipe such as ``<(cat a.jsonl)``, a device)."""
+    if input_path == "-" or _special_path(input_path):
         return "-"
     p = Path(input_path)
+    try:
+        if not stat.S_ISREG(p.stat().st_mode):
+            return "-"
+    except OSError:
+        pass
     return str(p.with_name(p.stem + ".completions.jsonl"))
 
 
+def _special_path(path: str) -> bool:
+    # /dev/stdin, /dev/fd/63 (a shell's <(...)), /proc/self/fd/0: a stream even when
+    # it resolves to a regular file, and never a place to create files beside.
+    return os.path.abspath(path).startswith(("/dev/", "/proc/"))
+
+
+def is_stream(path: str) -> bool:
+    """``-`` or an existing file that is not a regular file (a pipe, a terminal, /dev/stdout)."""
+    if path == "-" or _special_path(path):
+        return True
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def open_input(path: str) -> BinaryIO:
+    """The input as a seekable binary stream. Stdin and pipes are spooled to a
+    temporary file first, because the runner reads the rows twice (once to plan
+    the resume, once to run). Unreadable input is a usage error."""
+    if path == "-":
+        source = sys.stdin.buffer
+    else:
+        p = Path(path)
+        if p.is_dir():
+            raise BatchUsageError(f"input {path} is a directory, not a JSONL file")
+        try:
+            source = open(p, "rb")
+        except OSError as e:
+            raise BatchUsageError(f"cannot read input {path}: {e.strerror or e}") from None
+        if source.seekable() and stat.S_ISREG(os.fstat(source.fileno()).st_mode):
+            return source
+    spool = tempfile.TemporaryFile(prefix="knorm-batch-input-")
+    try:
+        while chunk := source.read(1 << 20):
+            spool.write(chunk)
+    except OSError as e:
+        spool.close()
+        raise BatchUsageError(f"cannot read input {path}: {e.strerror or e}") from None
+    finally:
+        if source is not sys.stdin.buffer:
+            source.close()
+    spool.seek(0)
+    return spool
+
+
+def check_distinct_files(named: Sequence[tuple[str, Optional[str]]]) -> None:
+    """Refuse two roles on one file (the same path, a link, or the same inode),
+    which would read a file while truncating it, or write it twice."""
+    def identity(path: str):
+        try:
+            st = os.stat(path)
+        except OSError:
+            return ("path", os.path.realpath(path))
+        if not stat.S_ISREG(st.st_mode):
+            return None  # pipes and devices: reading one and writing another is fine
+        return ("inode", st.st_dev, st.st_ino)
+
+    seen: dict = {}
+    for role, path in named:
+        if path is None or path == "-":
+            continue
+        ident = identity(path)
+        if ident is None:
+            continue
+        if ident in seen:
+            other_role, other_path = seen[ident]
+            raise BatchUsageError(f"the {role} {path} is the same file as the {other_role} {other_path}; "
+                                  f"give each its own file")
+        seen[ident] = (role, path)
+
+
 def _check_writable(path: Optional[str], what: str) -> None:
-    if path is None or path == "-":
+    """Refuse a path that cannot be written, without creating anything."""
+    if path is None or is_stream(path):
         return
     p = Path(path)
     if p.is_dir():
         raise BatchUsageError(f"{what} {path} is a directory")
+    if p.exists():
+        if not os.access(p, os.W_OK):
+            raise BatchUsageError(f"cannot write {what} {path}: permission denied")
+        return
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise BatchUsageError(f"cannot write {what} {path}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise BatchUsageError(f"cannot write {what} {path}: permission denied in {parent}")
+
+
+# ------------------------------------------------------------------ resume
+
+
+@dataclass
+class ResumePlan:
+    """Which ids are done, and which earlier lines a rewrite keeps."""
+
+    done: set[str] = field(default_factory=set)
+    keep: list[bytes] = field(default_factory=list)
+    rewrite: bool = False
+    torn: bool = False
+    retried: int = 0
+
+
+def plan_resume(output: str, expected: dict[str, Optional[str]], accept_old: bool) -> ResumePlan:
+    """Compare an earlier output with the input's rows.
+
+    ``expected`` maps each input row's id to the fingerprint a record of it
+    would carry now. A record counts as done only when its fingerprint matches.
+    A record made from another row or other settings, or one whose id is no
+    longer in the input, stops the run before work (BatchUsageError) unless
+    ``accept_old`` keeps them as done.
+    """
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        with open(p, "ab"):
-            pass
-    except OSError as e:
-        raise BatchUsageError(f"cannot write {what} {path}: {e.strerror or e}") from None
+        state = rec.scan_output(output)
+    except rec.OutputCorrupt as e:
+        raise BatchUsageError(str(e)) from None
+    changed = [k for k, (fp, _) in state.records.items() if k in expected and fp != expected[k]]
+    gone = [k for k in state.records if k not in expected]
+    if (changed or gone) and not accept_old:
+        parts = []
+        if changed:
+            parts.append(f"{len(changed)} finished record(s) were made from another row or other settings than "
+                         f"the input and options give now (first: id {changed[0]!r})")
+        if gone:
+            parts.append(f"{len(gone)} record(s) have ids that are no longer in the input (first: id {gone[0]!r})")
+        raise BatchUsageError(f"{output}: " + "; ".join(parts) + ". Nothing was run. Use --overwrite to start "
+                              "over, -o to write another file, or --accept-old-records to keep the old records "
+                              "as they are (counted as done).")
+    return ResumePlan(done=set(state.records), keep=[line for _, line in state.records.values()],
+                      rewrite=state.needs_rewrite, torn=state.torn, retried=state.dropped_errors)
+
+
+# ------------------------------------------------------------------ signals
+
+
+class _Signals:
+    """SIGINT and SIGTERM. Before rows run they abort at once (nothing to lose);
+    while rows run the first one sets ``stop`` (the runner finishes and writes
+    the row in flight, then stops) and a second aborts."""
+
+    def __init__(self, notify: Callable[[str], None]):
+        self.stop = False
+        self.graceful = False
+        self._notify = notify
+        self._old: dict = {}
+
+    def __enter__(self) -> "_Signals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if not self.graceful or self.stop:
+            raise KeyboardInterrupt
+        self.stop = True
+        name = signal.Signals(signum).name
+        self._notify(f"\n{name}: stopping after the current row is written (again to abort it)")
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Interrupted before any row ran: nothing was written."""
+
+
+# ------------------------------------------------------------------ the run
 
 
 def run_batch(
@@ -328,65 +503,122 @@ def run_batch(
     """Run every row of ``input_path`` (``-`` = stdin) into ``output_path``.
 
     Everything that can be checked before work starts (options, input,
-    output, existing output, model) raises :class:`BatchUsageError`. Row
-    failures become error records. Returns the summary; its ``exit_code`` is
-    0 (all ok), 1 (some rows failed) or 130 (interrupted).
+    output, locks, an output that no longer matches the input, the model)
+    raises :class:`BatchUsageError`; a signal before work raises
+    :class:`Interrupted`. Row failures become error records. Returns the
+    summary; its ``exit_code`` is one of the ``EXIT_*`` statuses.
     """
     options = options or BatchOptions()
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     options.check()
     output_path = output_path or default_output(input_path)
-    to_stdout = output_path == "-"
-    stream = open_input(input_path)
-    try:
-        total = None
-        if input_path != "-":
-            total = rec.count_rows(stream)
-            stream.seek(0)
-            if options.limit is not None:
-                total = min(total, options.limit)
-        for path, what in ((output_path, "output"), (options.stats_log, "stats log"),
-                           (options.summary_json, "summary")):
-            _check_writable(path, what)
-        state = rec.ResumeState()
-        if not to_stdout and not options.overwrite:
+    check_distinct_files([("input", input_path), ("output", output_path), ("stats log", options.stats_log),
+                          ("summary", options.summary_json)])
+    locks: list[rec.FileLock] = []
+    with _Signals(log) as signals:
+        try:
+            stream = open_input(input_path)
+        except KeyboardInterrupt:
+            raise Interrupted from None
+        try:
+            for path, what in ((output_path, "output"), (options.stats_log, "stats log"),
+                               (options.summary_json, "summary")):
+                _check_writable(path, what)
+            for path in (output_path, options.stats_log):
+                if path is not None and not is_stream(path):
+                    Path(path).parent.mkdir(parents=True, exist_ok=True)
+                    try:
+                        locks.append(rec.FileLock(path).acquire())
+                    except rec.LockHeld as e:
+                        raise BatchUsageError(str(e)) from None
+            if model is None:
+                model, tokenizer = get_model(options.model)
             try:
-                state = rec.scan_output(output_path)
-            except rec.OutputCorrupt as e:
+                eviction = options.eviction.resolved(len(model.layers))
+            except ValueError as e:
                 raise BatchUsageError(str(e)) from None
-        if model is None:
-            model, tokenizer = get_model(options.model)
-        if options.skip_layers is None:  # records show the layers really left uncompressed
-            options = replace(options, skip_layers=default_skip_layers(len(model.layers)))
-
-        if to_stdout:
-            writer = rec.RecordWriter(stdout or sys.stdout.buffer)
-        else:
-            if state.needs_rewrite:
-                rec.rewrite_atomically(output_path, state.keep)
-            writer = rec.RecordWriter.open(output_path, fresh=options.overwrite)
-        if (state.done or state.needs_rewrite) and progress:
-            log(f"resuming {output_path}: {len(state.done)} rows already done"
-                + (f", {state.dropped_errors} failed rows to retry" if state.dropped_errors else "")
-                + (", cut a torn last line" if state.torn else ""))
-        stats = (rec.RecordWriter.open(options.stats_log, fresh=options.overwrite)
-                 if options.stats_log else None)
+            ctx = _Context(options, model, tokenizer, eviction,
+                           record_config(eviction, options.generation))
+            expected, total = _scan_rows(stream, ctx)
+            plan = ResumePlan()
+            if not is_stream(output_path) and not options.overwrite:
+                plan = plan_resume(output_path, expected, options.accept_old_records)
+                if plan.rewrite:
+                    rec.rewrite_atomically(output_path, plan.keep)
+            if options.stats_log and not options.overwrite and not is_stream(options.stats_log):
+                rec.repair_torn_tail(options.stats_log)
+            if (plan.done or plan.rewrite) and progress:
+                log(f"resuming {output_path}: {len(plan.done)} rows already done"
+                    + (f", {plan.retried} failed rows to retry" if plan.retried else "")
+                    + (", cut a torn last line" if plan.torn else ""))
+            writer = _open_writer(output_path, options.overwrite, stdout)
+            stats = _open_writer(options.stats_log, options.overwrite, None) if options.stats_log else None
+        except KeyboardInterrupt:
+            for lock in locks:
+                lock.release()
+            stream.close()
+            raise Interrupted from None
+        except BaseException:
+            for lock in locks:
+                lock.release()
+            stream.close()
+            raise
         summary = BatchSummary(input=input_path, output=output_path, model=options.model)
         try:
-            _loop(stream, writer, stats, state.done, options, model, tokenizer, summary, total, progress, log)
+            signals.graceful = True
+            _loop(stream, writer, stats, plan.done, ctx, summary, total, progress, signals)
         finally:
-            writer.close()
-            if stats:
-                stats.close()
-    finally:
-        if stream is not sys.stdin.buffer:
+            signals.graceful = False
+            for closing in (writer, stats):
+                if closing is not None:
+                    try:
+                        closing.close()
+                    except OSError:
+                        pass  # a closed pipe or full disk: already recorded in the summary
             stream.close()
-    if options.summary_json:
-        Path(options.summary_json).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+            if options.summary_json:
+                try:
+                    Path(options.summary_json).parent.mkdir(parents=True, exist_ok=True)
+                    rec.rewrite_atomically(options.summary_json,
+                                           [(json.dumps(summary.to_dict(), indent=2) + "\n").encode()])
+                except OSError as e:
+                    summary.io_error = summary.io_error or f"cannot write summary {options.summary_json}: {e}"
+            for lock in locks:
+                lock.release()
     return summary
 
 
-def _loop(stream, writer, stats, done, options, model, tokenizer, summary, total, progress, log) -> None:
+def _open_writer(path: str, fresh: bool, stdout: Optional[BinaryIO]) -> rec.RecordWriter:
+    if path == "-":
+        return rec.RecordWriter(stdout or sys.stdout.buffer)
+    try:
+        return rec.RecordWriter.open(path, fresh=fresh)
+    except OSError as e:
+        raise BatchUsageError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _scan_rows(stream: BinaryIO, ctx: _Context) -> tuple[dict[str, Optional[str]], int]:
+    """Every input row's id -> the fingerprint its record would carry, and the
+    number of rows the run will see (after --limit)."""
+    expected: dict[str, Optional[str]] = {}
+    total = 0
+    for item in rec.read_rows(stream):
+        if isinstance(item, rec.Row):
+            expected[item.key] = ctx.expected_fingerprint(item)
+        total += 1
+    stream.seek(0)
+    limit = ctx.options.limit
+    return expected, total if limit is None else min(total, limit)
+
+
+def _items(stream: BinaryIO, limit: Optional[int]) -> Iterator[Any]:
+    for n, item in enumerate(rec.read_rows(stream)):
+        if limit is not None and n >= limit:
+            return
+        yield item
+
+
+def _loop(stream, writer, stats, done, ctx: _Context, summary: BatchSummary, total, progress, signals) -> None:
     ratios: list[float] = []
     decode_s = 0.0
     tic = time.perf_counter()
@@ -397,30 +629,33 @@ def _loop(stream, writer, stats, done, options, model, tokenizer, summary, total
         if not bar.disable:
             tqdm.write(message, file=sys.stderr)
 
-    with bar, _StopFlag(log) as stop:
+    with bar:
         try:
-            for n, item in enumerate(rec.read_rows(stream)):
-                if options.limit is not None and n >= options.limit:
-                    break
+            for item in _items(stream, ctx.options.limit):
                 if isinstance(item, rec.Row) and item.key in done:
                     summary.rows += 1
                     summary.skipped += 1
                     bar.update(1)
                     continue
-                if isinstance(item, rec.RowError):
-                    record = error_record(item, options)
-                else:
-                    record = run_row(model, tokenizer, item, options)
-                writer.write(record)
-                if stats:
-                    stats.write(stats_entry(record, item.line))
+                record = error_record(item, ctx) if isinstance(item, rec.RowError) else run_row(item, ctx)
+                try:
+                    writer.write(record)
+                    if stats:
+                        stats.write(stats_entry(record, item.line))
+                except BrokenPipeError:
+                    summary.pipe_closed = True
+                    _silence_stdout()
+                    break
+                except OSError as e:
+                    summary.io_error = f"cannot write: {e.strerror or e} ({e.filename or 'output'})"
+                    break
                 summary.rows += 1
                 if record["error"] is None:
                     summary.ok += 1
                     summary.tokens_seen += record["tokens_seen"]
                     summary.tokens_kept += record["tokens_kept"]
                     summary.generated_tokens += record["generated_tokens"]
-                    decode_s += record["decode_s"]
+                    decode_s += record["decode_s"] or 0.0
                     ratios.append(record["compression_ratio"])
                 else:
                     summary.failed += 1
@@ -432,7 +667,7 @@ def _loop(stream, writer, stats, done, options, model, tokenizer, summary, total
                                  "compress": f"{sum(ratios) / len(ratios):.2f}x" if ratios else "-"},
                                 refresh=False)
                 bar.update(1)
-                if stop.set:
+                if signals.stop:
                     summary.interrupted = True
                     break
         except KeyboardInterrupt:
@@ -446,7 +681,19 @@ def _loop(stream, writer, stats, done, options, model, tokenizer, summary, total
         summary.generated_tokens_per_s = summary.generated_tokens / summary.wall_s
 
 
+def _silence_stdout() -> None:
+    # The reader left: point stdout at /dev/null so the interpreter's final flush
+    # does not print a BrokenPipeError traceback.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
 __all__ = [
-    "BatchOptions", "BatchSummary", "BatchUsageError", "run_batch", "run_row", "get_model",
-    "default_output", "EXIT_OK", "EXIT_ROWS_FAILED", "EXIT_USAGE", "EXIT_INTERRUPTED",
+    "BatchOptions", "BatchSummary", "BatchUsageError", "Interrupted", "run_batch", "run_row", "get_model",
+    "default_output", "plan_resume", "EXIT_OK", "EXIT_ROWS_FAILED", "EXIT_USAGE", "EXIT_IO_ERROR",
+    "EXIT_INTERNAL_ERROR", "EXIT_INTERRUPTED", "EXIT_PIPE_CLOSED",
 ]

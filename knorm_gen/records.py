@@ -12,7 +12,10 @@ flushes and fsyncs, so a kill loses at most the record being written.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
+import math
 import os
 import stat
 from dataclasses import dataclass, field
@@ -54,6 +57,7 @@ class Row:
     questions: Optional[list[str]] = None
     overrides: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    digest: str = ""  # content_digest of the row object, for record fingerprints
 
     @property
     def key(self) -> str:
@@ -136,26 +140,71 @@ def read_rows(stream: BinaryIO, max_bytes: Optional[int] = None) -> Iterator[Uni
         yield item
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (RFC 8259 has no NaN or Infinity)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:20]} is out of range for a float")
+    return value
+
+
+def loads_strict(text: str) -> Any:
+    """``json.loads`` as RFC 8259 reads it: NaN, Infinity and numbers that
+    overflow a float are errors, not values."""
+    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def parse_line(raw: bytes, number: int) -> Union[Row, RowError]:
-    """One input line (bytes, no line ending) to a row or an error."""
+    """One input line (bytes, no line ending) to a row or an error; never raises."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         return RowError(number, INVALID_UTF8,
                         f"line {number} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})")
     try:
-        obj = json.loads(text)
+        obj = loads_strict(text)
     except json.JSONDecodeError as e:
         return RowError(number, INVALID_JSON, f"line {number} is not valid JSON: {e.msg} at column {e.colno}")
+    except RecursionError:
+        return RowError(number, INVALID_JSON, f"line {number} is nested too deeply to read")
+    except ValueError as e:  # NaN, Infinity, 1e999, an integer of 5,000 digits
+        return RowError(number, INVALID_JSON, f"line {number} is not valid JSON: {' '.join(str(e).split())[:200]}")
+    except Exception as e:  # noqa: BLE001 - e.g. an integer of 5,000 digits: any parser failure is the row's
+        return RowError(number, INVALID_JSON, f"line {number} is not valid JSON: {_one_line(e)}")
     if not isinstance(obj, dict):
         return RowError(number, INVALID_ROW, f"line {number}: expected a JSON object, got {_kind(obj)}")
-    return parse_row(obj, number)
+    try:
+        row = parse_row(obj, number)
+        if isinstance(row, Row):
+            row.digest = content_digest(obj)
+        else:
+            dump_record({"meta": row.meta})  # meta goes back out: it must be writable
+        return row
+    except Exception as e:  # noqa: BLE001 - whatever the content, a bad line never stops the run
+        return RowError(number, INVALID_ROW, f"line {number}: cannot use this row: {_one_line(e)}")
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200]}"
+
+
+def content_digest(obj: Any) -> str:
+    """sha256 of a value's canonical JSON (sorted keys, no spaces)."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def parse_row(obj: dict, number: int) -> Union[Row, RowError]:
     """Validate a decoded row object."""
     meta = {k: v for k, v in obj.items() if k not in ROW_FIELDS}
     row_id = obj.get("id", number)
+    if isinstance(row_id, int) and not isinstance(row_id, bool) and abs(row_id) >= 2**63:
+        return RowError(number, INVALID_ROW,
+                        f"line {number}: field 'id' is an integer too large to be an id (use a string)", meta=meta)
     if isinstance(row_id, bool) or not isinstance(row_id, (str, int)) or row_id == "":
         return RowError(number, INVALID_ROW,
                         f"line {number}: field 'id' must be a non-empty string or an integer, got {_show(row_id)}",
@@ -263,7 +312,7 @@ def _override_error(name: str, value: Any) -> Optional[str]:
 
 def dump_record(record: dict) -> bytes:
     """One record as one JSONL line (UTF-8, ending in a newline)."""
-    return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+    return (json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
 
 
 class RecordWriter:
@@ -302,20 +351,20 @@ class RecordWriter:
 
 
 class OutputCorrupt(ValueError):
-    """An existing output has a bad line that a kill could not have left."""
+    """An existing output has a line that a kill could not have left, or an id twice."""
 
 
 @dataclass
 class ResumeState:
     """What an existing output holds.
 
-    ``keep`` is the successful records' raw lines (byte for byte);
-    ``done`` their ids as text; ``dropped_errors`` failed records to retry;
-    ``torn`` whether the last line was unterminated or unreadable.
+    ``records`` maps each id (as text) with a successful record to
+    ``(fingerprint, raw line)``, in file order, lines byte for byte;
+    ``dropped_errors`` counts failed records (their rows are retried);
+    ``torn`` says the last line was unterminated or unreadable.
     """
 
-    keep: list[bytes] = field(default_factory=list)
-    done: set[str] = field(default_factory=set)
+    records: dict[str, tuple[Optional[str], bytes]] = field(default_factory=dict)
     dropped_errors: int = 0
     torn: bool = False
 
@@ -328,7 +377,8 @@ def scan_output(path: Union[str, Path]) -> ResumeState:
     """Read an earlier output for resume; a missing file is an empty state.
 
     A kill can only leave the *last* line incomplete, so a bad last line is
-    torn and will be cut; a bad line anywhere else raises :class:`OutputCorrupt`.
+    torn and will be cut; a bad line anywhere else, or a successful id that
+    appears twice (two runs wrote the same file), raises :class:`OutputCorrupt`.
     """
     state = ResumeState()
     try:
@@ -339,6 +389,7 @@ def scan_output(path: Union[str, Path]) -> ResumeState:
     tail = lines.pop()  # b"" when the file ends with a newline
     if tail:
         state.torn = True
+    first_line: dict[str, int] = {}
     for i, line in enumerate(lines, 1):
         record = _as_record(line)
         if record is None:
@@ -348,8 +399,15 @@ def scan_output(path: Union[str, Path]) -> ResumeState:
             raise OutputCorrupt(f"{path} line {i} is not a knorm-batch record; "
                                 "use --overwrite or another --output")
         if record["error"] is None and record["id"] is not None:
-            state.keep.append(line + b"\n")
-            state.done.add(id_key(record["id"]))
+            key = id_key(record["id"])
+            if key in first_line:
+                raise OutputCorrupt(
+                    f"{path} holds a successful record for id {record['id']!r} twice (lines {first_line[key]} "
+                    f"and {i}), which one run never writes: two runs wrote this file at once. Keep the lines "
+                    "you want and delete the rest, or use --overwrite or another --output")
+            first_line[key] = i
+            fingerprint = record.get("fingerprint")
+            state.records[key] = (fingerprint if isinstance(fingerprint, str) else None, line + b"\n")
         else:
             state.dropped_errors += 1
     return state
@@ -358,11 +416,99 @@ def scan_output(path: Union[str, Path]) -> ResumeState:
 def _as_record(line: bytes) -> Optional[dict]:
     try:
         record = json.loads(line.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError):
         return None
     if not isinstance(record, dict) or "id" not in record or "error" not in record:
         return None
     return record
+
+
+def repair_torn_tail(path: Union[str, Path]) -> bool:
+    """Cut an unterminated last line (a kill mid-write) from a JSONL file, atomically.
+    Returns whether anything was cut."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return False
+    if not data or data.endswith(b"\n"):
+        return False
+    keep = data[: data.rfind(b"\n") + 1]
+    rewrite_atomically(path, [keep])
+    return True
+
+
+class LockHeld(RuntimeError):
+    """Another process holds the lock on a file this run would write."""
+
+
+class FileLock:
+    """An exclusive, advisory lock on a file a run writes, held for the whole run.
+
+    The lock lives on a sidecar ``.NAME.lock`` holding the owner's pid, because
+    the file itself may be replaced by an atomic rewrite (a lock on the old
+    inode would then guard nothing). ``flock`` is dropped by the kernel when
+    the owner dies, even by ``kill -9``, so a crash never leaves a stale lock.
+    """
+
+    def __init__(self, path: Union[str, Path]):
+        self.path = Path(path)
+        self.lock_path = self.path.with_name(f".{self.path.name}.lock")
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> "FileLock":
+        while True:
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError:
+                # No sidecar possible (a read-only folder): lock the file itself,
+                # which then cannot be replaced by a rewrite either.
+                self.lock_path = self.path
+                fd = os.open(self.path, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = self._holder(fd)
+                os.close(fd)
+                raise LockHeld(f"{self.path} is being written by another knorm-batch run{holder}; "
+                               "wait for it to finish, or write to another --output") from None
+            # The previous holder may have unlinked the sidecar after we opened it.
+            try:
+                current = os.stat(self.lock_path).st_ino
+            except FileNotFoundError:
+                current = None
+            if current == os.fstat(fd).st_ino:
+                break
+            os.close(fd)
+        if self.lock_path != self.path:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    @staticmethod
+    def _holder(fd: int) -> str:
+        try:
+            pid = os.pread(fd, 32, 0).decode().strip()
+        except (OSError, UnicodeDecodeError):
+            return ""
+        return f" (pid {pid})" if pid.isdigit() else ""
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        if self.lock_path != self.path:
+            try:
+                os.unlink(self.lock_path)  # while still holding it: see acquire()
+            except OSError:
+                pass
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> "FileLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def rewrite_atomically(path: Union[str, Path], lines: list[bytes]) -> None:

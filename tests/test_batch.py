@@ -4,10 +4,17 @@ import json
 
 import pytest
 
-from knorm_gen import answer_questions, generate_with_eviction
+from knorm_gen import EvictionConfig, GenerationConfig, answer_questions, generate_with_eviction
 from knorm_gen.batch import RECORD_FIELDS, BatchOptions, BatchUsageError, get_model, run_batch
 
 OPTS = dict(budget=16, max_tokens=2)
+
+
+def options(**kw):
+    """BatchOptions from flat settings, as the CLI builds them."""
+    ev = {k: kw.pop(k) for k in list(kw) if k in ("budget", "n_sink", "recent", "keep", "skip_layers")}
+    gen = {k: kw.pop(k) for k in list(kw) if k in ("max_tokens", "temperature", "top_p", "seed", "chat")}
+    return BatchOptions(eviction=EvictionConfig(**ev), generation=GenerationConfig(**gen), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +32,10 @@ def read_records(path):
 
 
 def run(tmp_path, rows, name="in.jsonl", **kw):
-    options = BatchOptions(**{**OPTS, **kw.pop("options", {})})
+    opts = options(**{**OPTS, **kw.pop("options", {})})
     inp = write_rows(tmp_path / name, rows)
     out = str(tmp_path / "out.jsonl")
-    return run_batch(inp, out, options, progress=False, **kw), out
+    return run_batch(inp, out, opts, progress=False, **kw), out
 
 
 def test_records_match_library_calls_and_share_one_shape(tmp_path, mt):
@@ -112,10 +119,10 @@ def test_resume_skips_done_retries_failed_and_repairs_torn_line(tmp_path, mt):
 def test_overwrite_limit_stats_log_and_summary(tmp_path, mt):
     rows = [{"id": i, "prompt": f"Secret word {i}: banana."} for i in range(3)]
     stats, summ = tmp_path / "stats.jsonl", tmp_path / "summary.json"
-    options = dict(limit=2, stats_log=str(stats), summary_json=str(summ))
-    summary, out = run(tmp_path, rows, options=options)
+    extra = dict(limit=2, stats_log=str(stats), summary_json=str(summ))
+    summary, out = run(tmp_path, rows, options=extra)
     assert summary.rows == 2 and len(read_records(out)) == 2
-    summary, out = run(tmp_path, rows, options={**options, "overwrite": True, "limit": None})
+    summary, out = run(tmp_path, rows, options={**extra, "overwrite": True, "limit": None})
     assert [r["id"] for r in read_records(out)] == [0, 1, 2] and summary.skipped == 0
     entries = read_records(stats)
     assert [e["id"] for e in entries] == [0, 1, 2] and [e["line"] for e in entries] == [1, 2, 3]
@@ -133,10 +140,8 @@ def test_empty_input_is_zero_rows_and_success(tmp_path, mt):
 def test_usage_errors_before_any_work(tmp_path, mt):
     inp = write_rows(tmp_path / "in.jsonl", [{"prompt": "x"}])
     out = tmp_path / "sub" / "out.jsonl"
-    with pytest.raises(BatchUsageError, match="n_sink \\+ recent must be < budget"):
-        run_batch(inp, str(out), BatchOptions(budget=4, n_sink=4), progress=False)
-    with pytest.raises(BatchUsageError, match="max_tokens"):
-        run_batch(inp, str(out), BatchOptions(max_tokens=0), progress=False)
+    with pytest.raises(BatchUsageError, match="skip_layers index 30 is out of range"):
+        run_batch(inp, str(out), options(skip_layers=(30,)), progress=False)
     assert not out.exists()
     with pytest.raises(BatchUsageError, match="cannot read input"):
         run_batch(str(tmp_path / "missing.jsonl"), str(out), BatchOptions(), progress=False)

@@ -96,7 +96,7 @@ def test_empty_file_exits_zero(tmp_path):
     (["--keep", "best"], "'best' is not one of"),
     (["--skip-layers", "a,b"], "skip_layers must be layer indices"),
     (["--budget", "8", "--n-sink", "4", "--recent", "4"], "n_sink + recent must be < budget"),
-    (["--max-tokens", "0"], "--max-tokens"),
+    (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
 ])
 def test_bad_options_exit_2(tmp_path, args, message):
     inp = tmp_path / "in.jsonl"
@@ -149,7 +149,7 @@ def test_job_file_equals_flags_and_flags_override(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ('inputs = "x"\n', "unknown key 'inputs'"),
     ('[eviction]\nbugdet = 3\n', "unknown key 'bugdet' in [eviction]"),
-    ('[generation]\ntemperature = "hot"\n', "'temperature' must be int or float"),
+    ('[generation]\ntemperature = "hot"\n', "temperature must be a finite number, got 'hot'"),
     ('input = \n', "not valid TOML"),
 ])
 def test_bad_job_file_exit_2(tmp_path, text, message):
@@ -219,7 +219,7 @@ def test_ctrl_c_finishes_the_row_then_exits_130(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err.decode()
-    assert b"rerun the same command to resume" in err
+    assert b"to resume, run:" in err
     data = out.read_bytes()
     assert data.endswith(b"\n") and 2 <= data.count(b"\n") < 8
     assert all(json.loads(line)["error"] is None for line in data.splitlines())

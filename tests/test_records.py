@@ -105,14 +105,15 @@ def record_line(row_id, error=None):
 
 def test_scan_output_torn_tail_failed_records_and_corruption(tmp_path):
     path = tmp_path / "out.jsonl"
-    assert rec.scan_output(path).done == set()
+    assert rec.scan_output(path).records == {}
     ok1, ok2 = record_line("a"), record_line(2)
     failed = record_line("b", {"type": "invalid_row", "message": "m", "line": 2})
     path.write_bytes(ok1 + failed + ok2 + b'{"id": "c", "compl')
     state = rec.scan_output(path)
     assert state.torn and state.dropped_errors == 1 and state.needs_rewrite
-    assert state.keep == [ok1, ok2] and state.done == {"a", "2"}
-    rec.rewrite_atomically(path, state.keep)
+    keep = [line for _, line in state.records.values()]
+    assert keep == [ok1, ok2] and set(state.records) == {"a", "2"}
+    rec.rewrite_atomically(path, keep)
     assert path.read_bytes() == ok1 + ok2
     assert not rec.scan_output(path).needs_rewrite
     assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]  # no temp file left
