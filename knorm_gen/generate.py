@@ -75,7 +75,7 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, chat: Optional[bool] = None) -
             chat = _has_chat_template(tokenizer)
         if chat:
             return encode_prompt(tokenizer, [{"role": "user", "content": prompt}])
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        ids = tokenizer.encode(prompt)  # with BOS where the tokenizer adds one (Gemma needs it)
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
         for i, m in enumerate(prompt):
             if "role" not in m or "content" not in m:
@@ -271,7 +271,7 @@ def answer_questions(
     if chat is None:
         chat = _has_chat_template(tok)
     prefix, suffix = _split_template(tok, context, chat)
-    prefix_ids = tok.encode(prefix, add_special_tokens=False)
+    prefix_ids = tok.encode(prefix, add_special_tokens=not chat)  # a chat template writes its own BOS
     question_ids = [tok.encode("\n\n" + q + suffix, add_special_tokens=False) for q in questions]
     _check_length(model, len(prefix_ids) + max(len(q) for q in question_ids))
 

@@ -204,3 +204,12 @@ def test_budget_at_least_the_prompt_equals_the_full_cache(gemma):
     assert full.text == tok.decode(greedy)
     assert big.text == full.text
     assert big.tokens_seen == full.tokens_seen
+
+
+def test_text_prompt_gets_bos(gemma):
+    """Gemma needs its BOS: without it this prompt continues with " Paris"."""
+    model, tok = gemma
+    prompt = "The capital of France is Paris. The capital of Germany is"
+    out = generate_with_eviction(model, tok, prompt, budget=None, chat=False, max_tokens=4)
+    assert out.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False)) + 1
+    assert "Berlin" in out.text, out.text
