@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,7 @@ __all__ = [
     "map_weights",
     "model_config",
     "read_gguf",
+    "remove_stale",
 ]
 
 # Bump whenever the files written by convert_gguf would change: old caches are then ignored.
@@ -126,18 +128,21 @@ def read_gguf(path: str | Path) -> GGUFContents:
     return GGUFContents(metadata, tensors, "gguf")
 
 
-def file_sha256(path: str | Path, _memo: dict = {}) -> str:  # noqa: B006 (per-process memo)
+_SHA256: dict[tuple[str, int, int], str] = {}
+
+
+def file_sha256(path: str | Path) -> str:
     """sha256 of a file, remembered per (path, size, mtime) for this process."""
     path = Path(path).resolve()
     st = path.stat()
     key = (str(path), st.st_size, st.st_mtime_ns)
-    if key not in _memo:
+    if key not in _SHA256:
         digest = hashlib.sha256()
         with path.open("rb") as f:
             while block := f.read(1 << 20):
                 digest.update(block)
-        _memo[key] = digest.hexdigest()
-    return _memo[key]
+        _SHA256[key] = digest.hexdigest()
+    return _SHA256[key]
 
 
 # ------------------------------------------------------ architecture mapping
@@ -480,6 +485,18 @@ def cached_conversion(sha256: str) -> tuple[Path, dict[str, Any]] | None:
     return folder, info
 
 
+def remove_stale(folder: Path, pattern: str, max_age_s: float = 3600.0) -> None:
+    """Remove what a killed process left under ``folder`` (temporary names
+    matching ``pattern``), once it is older than any conversion takes."""
+    now = time.time()
+    for p in folder.glob(pattern):
+        try:
+            if now - p.stat().st_mtime > max_age_s:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        except OSError:
+            pass  # another process removed or is using it
+
+
 def _writable(folder: Path) -> bool:
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -504,6 +521,7 @@ def ensure_converted(path: str | Path, sha256: str | None = None) -> tuple[Path,
         raise PermissionError(f"cannot write the conversion cache {folder.parent}")
     if folder.exists():
         shutil.rmtree(folder, ignore_errors=True)
+    remove_stale(folder.parent, f".{folder.name}.*")
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         info = convert_gguf(path, tmp, sha256=sha256)

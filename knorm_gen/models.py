@@ -92,6 +92,7 @@ def gemma_270m_path() -> Path:
     target = gguf.cache_root() / "gguf" / pkg.MODEL_NAME
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
+        gguf.remove_stale(target.parent, f".{target.name}.*.tmp")
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         try:
             pkg.assemble(tmp, overwrite=True)

@@ -361,6 +361,24 @@ def test_killed_conversion_leaves_no_entry(tmp_path, cache_dir, monkeypatch):
     assert model.knorm_info["architecture"] == "llama"
 
 
+def test_leftovers_of_a_killed_conversion_are_removed_later(tmp_path, cache_dir):
+    import os
+    import time
+
+    _, path = reference_and_gguf(tmp_path, "llama")
+    folder = kgguf.converted_dir(kgguf.file_sha256(path))
+    folder.parent.mkdir(parents=True)
+    old, fresh = folder.parent / f".{folder.name}.old", folder.parent / f".{folder.name}.fresh"
+    for d in (old, fresh):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half")
+    hours_ago = time.time() - 2 * 3600
+    os.utime(old, (hours_ago, hours_ago))
+    load_model(str(path))
+    assert not old.exists()  # a kill -9 left it: removed
+    assert fresh.exists()  # could be another process converting right now: kept
+
+
 def test_unwritable_cache_still_loads(tmp_path, monkeypatch):
     ref, path = reference_and_gguf(tmp_path, "llama")
     blocker = tmp_path / "a-file"
