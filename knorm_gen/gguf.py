@@ -296,10 +296,9 @@ def map_weights(contents: GGUFContents, config: dict[str, Any]) -> dict[str, mx.
             raise UnsupportedGGUFError(f"unexpected tensor {name!r} for GGUF architecture {arch!r}")
         out[f"{places[base]}.{kind}"] = value
 
-    tied_head = "lm_head.weight" if config.get("tie_word_embeddings") else None
+    # A tied model has no output.weight; mlx_lm's Gemma drops its lm_head in sanitize.
+    tied_head = "lm_head.weight" if config["tie_word_embeddings"] else None
     missing = sorted(p for p in params if p not in out and p != tied_head)
-    if arch == "gemma3" and "output.weight" not in contents.tensors:
-        missing = [p for p in missing if p != "lm_head.weight"]  # mlx_lm ties it in sanitize
     if missing:
         raise UnsupportedGGUFError(f"GGUF lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
