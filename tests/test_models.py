@@ -1,13 +1,18 @@
-"""Tests for knorm_gen.models against the real embedded SmolLM2-135M-Instruct."""
+"""Tests for knorm_gen.models against the real embedded SmolLM2-135M-Instruct.
+
+The model is converted from its GGUF once per module, into a temporary cache.
+"""
 
 import importlib.metadata
 import importlib.util
+import math
 import warnings
 
 import pytest
 
 from knorm_gen import runtime  # noqa: F401  (package import runs the BLAS preload first)
 from knorm_gen import models
+from knorm_gen.corpus import text_of_tokens
 from knorm_gen.models import ModelNotFoundError, load_model, model_context_length
 
 import mlx.core as mx
@@ -16,6 +21,14 @@ import mlx_lm
 from mlx.utils import tree_flatten
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache_root(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        root = tmp_path_factory.mktemp("knorm-cache")
+        mp.setenv("KNORM_CACHE_DIR", str(root))
+        yield root
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +55,26 @@ TEXTS = [
     "def f(x):\n    return x ** 2\n",
     "",
 ]
+
+
+# Ids from the hand-built tokenizer this loader had before transformers' GGUF
+# converter replaced it (tokenizers BPE + digit split + byte level, itself
+# checked against mlx_lm generation). The two agree on all 84 pydoc sections.
+KNOWN_IDS = {
+    "Hello world!": [19556, 905, 17],
+    "The capital of France is": [504, 3575, 282, 4649, 314],
+    "The year 2024 had 366 days.": [504, 713, 216, 34, 32, 34, 36, 761, 216, 35, 38, 38, 2009, 30],
+    "<|im_start|>user\nhi<|im_end|>": [1, 4093, 198, 6004, 2],
+    "héllo 🙂": [88, 2756, 31394, 47526],
+    # digits are split off before the GPT-2 split (llama.cpp's "smollm"), so "\n\n" stays one token
+    "Steps:\n\n1. Go\n 2. Stop": [21831, 42, 1116, 33, 30, 2351, 3805, 34, 30, 17178],
+}
+
+
+@pytest.mark.parametrize("text", list(KNOWN_IDS))
+def test_known_ids(fp32, text):
+    _, tok = fp32
+    assert tok.encode(text, add_special_tokens=False) == KNOWN_IDS[text]
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -110,9 +143,18 @@ def test_greedy_answer_is_paris(fp32):
     assert "Paris" in out
 
 
+def test_perplexity_on_prose(fp32):
+    # measured 11.75 on these 1024 tokens
+    model, tok = fp32
+    ids = mx.array([text_of_tokens(tok, 1024)])
+    loss = nn.losses.cross_entropy(model(ids[:, :-1]), ids[:, 1:], reduction="mean")
+    assert math.exp(loss.item()) < 20
+
+
 def test_model_info_and_context_length(fp32):
     model, _ = fp32
     assert model.knorm_info["format"] == "gguf"
+    assert model.knorm_info["architecture"] == "llama"
     assert model.knorm_info["context_length"] == 8192
     assert model_context_length(model) == 8192
     assert model.args.num_hidden_layers == 30
@@ -193,12 +235,12 @@ def test_missing_package_error_names_the_fix(monkeypatch):
 
 
 def test_missing_gguf_file(tmp_path):
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         load_model(str(tmp_path / "nope.gguf"))
 
 
 def test_non_llama_gguf_rejected(tmp_path):
     path = tmp_path / "tiny.gguf"
     mx.save_gguf(str(path), {"w": mx.zeros((2, 2))}, {"general.architecture": "gpt2"})
-    with pytest.raises(ValueError, match="gpt2"):
+    with pytest.raises(ValueError, match="'gpt2'.*supported: llama, qwen2, gemma3"):
         load_model(str(path))
