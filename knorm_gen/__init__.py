@@ -15,9 +15,13 @@ from .config import KEEP_MODES, EvictionConfig, GenerationConfig  # noqa: E402
 from .generate import (  # noqa: E402
     GenerationResult,
     PromptTooLongError,
-    answer_questions,
     generate_with_eviction,
     stream_with_eviction,
+)
+from .batched import (  # noqa: E402
+    answer_questions,
+    generate_batch_with_eviction,
+    stream_batch_with_eviction,
 )
 from .models import load_model  # noqa: E402
 from .runtime import runtime_info  # noqa: E402
@@ -34,6 +38,8 @@ __all__ = [
     "L2NormKVCache",
     "answer_questions",
     "generate_with_eviction",
+    "generate_batch_with_eviction",
+    "stream_batch_with_eviction",
     "load_model",
     "stream_with_eviction",
     "cache_stats",

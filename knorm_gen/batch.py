@@ -212,7 +212,8 @@ def error_record(err: rec.RowError, ctx: _Context) -> dict:
 
 def run_row(row: rec.Row, ctx: _Context) -> dict:
     """Generate for one row; a ValueError or any other failure becomes the record's error."""
-    from .generate import PromptTooLongError, answer_questions, generate_with_eviction
+    from .batched import answer_questions
+    from .generate import PromptTooLongError, generate_with_eviction
 
     try:
         eviction, generation, config = ctx.row_settings(row)

@@ -191,6 +191,15 @@ class L2NormKVCache(_BaseCache):
         """Stop evicting: every later token is kept (a question over a compressed context)."""
         self.pinned = True
 
+    @classmethod
+    def merge(cls, caches: Sequence["L2NormKVCache"]):
+        """A :class:`~knorm_gen.batch_cache.BatchL2NormKVCache` of these single-row
+        caches. mlx_lm batches caches through ``merge``; the one inherited from
+        ``KVCache`` would build a plain ``BatchKVCache`` and silently stop evicting."""
+        from .batch_cache import BatchL2NormKVCache
+
+        return BatchL2NormKVCache.merge(caches)
+
     def copy(self) -> "L2NormKVCache":
         """An independent copy (MLX writes into a shared array object would leak across copies)."""
         new = L2NormKVCache.__new__(L2NormKVCache)

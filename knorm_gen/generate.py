@@ -1,4 +1,6 @@
-"""Generation with an eviction cache, on mlx_lm's own ``stream_generate``."""
+"""Generation with an eviction cache, one row at a time, on mlx_lm's own
+``stream_generate``; and the prompt handling every path shares. Several rows at
+once (and ``answer_questions``) live in :mod:`knorm_gen.batched`."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .cache import L2NormKVCache, cache_stats, copy_caches, make_eviction_cache
+from .cache import cache_stats, make_eviction_cache
 from .config import (  # noqa: F401  (DEFAULT_* re-exported)
     DEFAULT_PREFILL_STEP,
     DEFAULT_QUESTION_SEPARATOR,
@@ -260,68 +262,3 @@ def split_question_prompts(
         head = _encode_text(tokenizer, context)
     n = _common_prefix(head, *wholes)
     return wholes[0][:n], [w[n:] for w in wholes]
-
-
-def answer_questions(
-    model: Any,
-    tokenizer: Any,
-    context: str,
-    questions: Sequence[str],
-    *,
-    eviction: Optional[EvictionConfig] = None,
-    generation: Optional[GenerationConfig] = None,
-    **settings: Any,
-) -> list[GenerationResult]:
-    """Compress ``context`` once, then answer each question from its own copy.
-
-    Each prompt is ``context + question_separator + question`` (a
-    :class:`GenerationConfig` field, default a blank line), through the chat
-    template when ``chat`` (default: when the tokenizer has one). In completion
-    mode (``chat=False``) nothing follows the question, so a base-model user
-    can write the question as the start of the answer ("... The pass key is").
-    The tokens fed are exactly those of the whole prompt encoded at once (see
-    :func:`split_question_prompts`). Settings as in :func:`generate_with_eviction`.
-
-    The question and answer tokens are never evicted (the copy is pinned), and
-    positions continue from the true context length. One result per question;
-    each result's ``prefill_s`` includes the shared context prefill, also
-    reported alone as ``context_prefill_s``.
-    """
-    eviction, generation = _configs(model, eviction, generation, settings)
-    if not isinstance(context, str) or not context.strip():
-        raise ValueError("context is empty")
-    if isinstance(questions, str):
-        questions = [questions]
-    if not questions:
-        raise ValueError("questions is empty")
-    for i, q in enumerate(questions):
-        if not isinstance(q, str) or not q.strip():
-            raise ValueError(f"question {i} is empty or not text")
-    tok = _as_tokenizer(tokenizer)
-    chat = _has_chat_template(tok) if generation.chat is None else generation.chat
-    prefix_ids, question_ids = split_question_prompts(tok, context, questions, chat=chat,
-                                                      question_separator=generation.question_separator)
-    _check_length(model, len(prefix_ids) + max(len(q) for q in question_ids))
-
-    mx.reset_peak_memory()
-    caches = make_eviction_cache(model, eviction)
-    tic = time.perf_counter()
-    step = generation.prefill_step_size
-    for start in range(0, len(prefix_ids), step):
-        model(mx.array(prefix_ids[start : start + step])[None], cache=caches)
-        mx.eval([c.state for c in caches])
-    context_s = time.perf_counter() - tic
-    cfg = result_config(eviction, generation)
-
-    results = []
-    for q, ids in zip(questions, question_ids):
-        if generation.seed is not None:
-            mx.random.seed(generation.seed)
-        own = copy_caches(caches)
-        for c in own:
-            if isinstance(c, L2NormKVCache):
-                c.pin()
-        *_, result = _run(model, tok, ids, own, generation=generation, config_dict=cfg, extra_prefill_s=context_s,
-                          prompt_tokens=len(prefix_ids) + len(ids), question=q)
-        results.append(result)
-    return results

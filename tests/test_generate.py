@@ -116,12 +116,14 @@ def test_answer_questions_feeds_the_whole_prompt_and_matches_it(model_and_tokeni
     context = ("Ada keeps her bicycle in the blue shed. Ben keeps his kayak in the red barn. "
                "The secret pass key is 48213. Remember it. ")  # a trailing space merges with the separator
     questions = ["Where is the bicycle?", "What is the secret pass key? The secret pass key is"]
+    # batch_size=1: the questions run one after another, so the fed blocks can be read in order
     recorder = RecordingModel(model)
-    got = answer_questions(recorder, tok, context, questions, budget=None, max_tokens=8, chat=chat)
+    got = answer_questions(recorder, tok, context, questions, budget=None, max_tokens=8, chat=chat, batch_size=1)
+    together = answer_questions(model, tok, context, questions, budget=None, max_tokens=8, chat=chat, batch_size=2)
     fed = [t for block in recorder.inputs for t in block]
     shared = len(recorder.inputs[0])  # the context prefill comes first, once
     pos = shared
-    for q, r in zip(questions, got):
+    for q, r, both in zip(questions, got, together):
         whole = context + "\n\n" + q
         want_ids = chat_ids(tok, whole) if chat else tok.encode(whole, add_special_tokens=False)
         # what this answer saw: the shared context, then its own blocks
@@ -131,6 +133,8 @@ def test_answer_questions_feeds_the_whole_prompt_and_matches_it(model_and_tokeni
         assert r.prompt_tokens == len(want_ids) and r.question == q and r.context_prefill_s > 0
         ref = generate_with_eviction(model, tok, whole, budget=None, max_tokens=8, chat=chat)
         assert_greedy_agree(model, want_ids, r.tokens, ref.tokens)
+        assert_greedy_agree(model, want_ids, both.tokens, ref.tokens)
+        assert both.tokens_seen == r.tokens_seen and both.prompt_tokens == r.prompt_tokens
     assert pos == len(fed)
     if not chat:  # completion mode: nothing after the question, so the model answers it
         assert "48213" in got[1].text

@@ -210,13 +210,22 @@ def test_to_float32_dequantizes_a_quantized_model(fp32):
     assert mx.allclose(model(tokens), fp32[0](tokens), atol=1e-3).item()
 
 
-def test_default_float32_policy_on_cpu(fp32, monkeypatch):
-    # load_model() with no float32 argument follows cpu_prefers_float32()
-    if not runtime.on_cpu():
-        pytest.skip("CPU-only policy")
-    assert runtime.cpu_prefers_float32()
-    monkeypatch.setenv("KNORM_KEEP_DTYPE", "1")
-    assert not runtime.cpu_prefers_float32()
+def test_load_model_follows_the_dtype_policy(monkeypatch):
+    # load_model() with no float32 argument: float32 weights on the CPU, and the
+    # stored quantized weights when KNORM_KEEP_DTYPE=1 asks to keep them.
+    def quantized_layers(model):
+        return sum(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in model.modules())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        monkeypatch.delenv("KNORM_KEEP_DTYPE", raising=False)
+        model, _ = load_model()
+        if runtime.on_cpu():
+            assert quantized_layers(model) == 0
+            assert {v.dtype for _, v in tree_flatten(model.parameters())} == {mx.float32}
+        monkeypatch.setenv("KNORM_KEEP_DTYPE", "1")
+        kept, _ = load_model()
+    assert quantized_layers(kept) == 30 * 7 + 1  # every linear layer, and the 8-bit embedding
 
 
 # --------------------------------------------------------------------- errors
