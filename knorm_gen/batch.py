@@ -28,6 +28,18 @@ from typing import Any, BinaryIO, Callable, Iterator, Optional, Sequence
 from tqdm import tqdm
 
 from . import records as rec
+from .files import (
+    FileLock,
+    FileUsageError,
+    LockHeld,
+    check_distinct_files,
+    check_writable,
+    default_output,
+    is_stream,
+    open_input,
+    repair_torn_tail,
+    rewrite_atomically,
+)
 from .config import EvictionConfig, GenerationConfig, make_configs
 
 EXIT_OK = 0
@@ -47,7 +59,7 @@ ANSWER_FIELDS = ("question", "answer", "finish_reason", "prompt_tokens", "genera
                  "tokens_kept", "compression_ratio", "prefill_s", "decode_s", "generation_tps")
 
 
-class BatchUsageError(ValueError):
+class BatchUsageError(FileUsageError):
     """A problem found before any row runs (options, input, output, model)."""
 
 
@@ -58,6 +70,7 @@ class BatchOptions:
     model: str = "default"
     eviction: EvictionConfig = field(default_factory=EvictionConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    batch_size: int = 8
     overwrite: bool = False
     accept_old_records: bool = False
     limit: Optional[int] = None
@@ -71,6 +84,8 @@ class BatchOptions:
         if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int)
                                        or self.limit < 0):
             raise BatchUsageError(f"limit must be an integer >= 0, got {self.limit!r}")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise BatchUsageError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
 
 
 @dataclass
@@ -210,41 +225,57 @@ def error_record(err: rec.RowError, ctx: _Context) -> dict:
     return record
 
 
-def run_row(row: rec.Row, ctx: _Context) -> dict:
-    """Generate for one row; a ValueError or any other failure becomes the record's error."""
-    from .batched import answer_questions
-    from .generate import PromptTooLongError, generate_with_eviction
+def _failed(record: dict, kind: str, message: str, line: int) -> dict:
+    record["error"] = {"type": kind, "message": f"line {line}: {message}", "line": line}
+    for name in STATS_FIELDS:
+        record[name] = None
+    record["completion"] = record["answers"] = None
+    return record
 
-    try:
-        eviction, generation, config = ctx.row_settings(row)
-    except ValueError as e:
-        record = empty_record(row.id, ctx.options, ctx.base_config, row.meta)
-        record["error"] = {"type": rec.INVALID_ROW, "message": f"line {row.line}: {e}", "line": row.line}
-        return record
+
+def _row_error(row: rec.Row, ctx: _Context, config: Optional[dict], e: BaseException) -> dict:
+    """The error record of a row whose settings, prompt or generation failed."""
+    from .generate import PromptTooLongError
+
+    record = empty_record(row.id, ctx.options, config or ctx.base_config, row.meta)
+    if config is not None:
+        record["fingerprint"] = fingerprint(row, config, ctx.options.model)
+    if isinstance(e, ValueError):
+        kind = rec.PROMPT_TOO_LONG if isinstance(e, PromptTooLongError) else rec.INVALID_ROW
+        return _failed(record, kind, str(e), row.line)
+    return _failed(record, rec.GENERATION_ERROR, f"{type(e).__name__}: {e}", row.line)
+
+
+def row_record(row: rec.Row, ctx: _Context, config: dict, result: Any) -> dict:
+    """The record of a prompt row from its GenerationResult."""
     record = empty_record(row.id, ctx.options, config, row.meta)
     record["fingerprint"] = fingerprint(row, config, ctx.options.model)
-    kw = dict(eviction=eviction, generation=generation)
+    record["completion"] = result.text
+    record.update({k: getattr(result, k) for k in STATS_FIELDS})
+    return _finite(record)
+
+
+def run_row(row: rec.Row, ctx: _Context) -> dict:
+    """Generate for one row alone; a ValueError or any other failure becomes the record's error."""
+    from .batched import answer_questions
+    from .generate import generate_with_eviction
+
+    config = None
     try:
+        eviction, generation, config = ctx.row_settings(row)
+        kw = dict(eviction=eviction, generation=generation)
         if row.kind == "questions":
-            results = answer_questions(ctx.model, ctx.tokenizer, row.context, row.questions, **kw)
+            results = answer_questions(ctx.model, ctx.tokenizer, row.context, row.questions,
+                                       batch_size=ctx.options.batch_size, **kw)
+            record = empty_record(row.id, ctx.options, config, row.meta)
+            record["fingerprint"] = fingerprint(row, config, ctx.options.model)
             record.update(_question_numbers(results))
-        else:
-            result = generate_with_eviction(ctx.model, ctx.tokenizer, row.prompt, **kw)
-            record["completion"] = result.text
-            record.update({k: getattr(result, k) for k in STATS_FIELDS})
+            return _finite(record)
+        return row_record(row, ctx, config, generate_with_eviction(ctx.model, ctx.tokenizer, row.prompt, **kw))
     except KeyboardInterrupt:
         raise
-    except ValueError as e:
-        kind = rec.PROMPT_TOO_LONG if isinstance(e, PromptTooLongError) else rec.INVALID_ROW
-        record["error"] = {"type": kind, "message": f"line {row.line}: {e}", "line": row.line}
     except Exception as e:  # noqa: BLE001 - one bad row must not stop an overnight run
-        record["error"] = {"type": rec.GENERATION_ERROR, "message": f"line {row.line}: {type(e).__name__}: {e}",
-                           "line": row.line}
-    if record["error"] is not None:
-        for name in STATS_FIELDS:
-            record[name] = None
-        record["completion"] = record["answers"] = None
-    return _finite(record)
+        return _row_error(row, ctx, config, e)
 
 
 def _finite(record: dict) -> dict:
@@ -300,112 +331,6 @@ def stats_entry(record: dict, line: int) -> dict:
 
 
 # ------------------------------------------------------------------ files
-
-
-def default_output(input_path: str) -> str:
-    """``<input stem>.completions.jsonl`` beside a regular input file; stdout otherwise
-    (stdin, a pipe such as ``<(cat a.jsonl)``, a device)."""
-    if input_path == "-" or _special_path(input_path):
-        return "-"
-    p = Path(input_path)
-    try:
-        if not stat.S_ISREG(p.stat().st_mode):
-            return "-"
-    except OSError:
-        pass
-    return str(p.with_name(p.stem + ".completions.jsonl"))
-
-
-def _special_path(path: str) -> bool:
-    # /dev/stdin, /dev/fd/63 (a shell's <(...)), /proc/self/fd/0: a stream even when
-    # it resolves to a regular file, and never a place to create files beside.
-    return os.path.abspath(path).startswith(("/dev/", "/proc/"))
-
-
-def is_stream(path: str) -> bool:
-    """``-`` or an existing file that is not a regular file (a pipe, a terminal, /dev/stdout)."""
-    if path == "-" or _special_path(path):
-        return True
-    try:
-        return not stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return False
-
-
-def open_input(path: str) -> BinaryIO:
-    """The input as a seekable binary stream. Stdin and pipes are spooled to a
-    temporary file first, because the runner reads the rows twice (once to plan
-    the resume, once to run). Unreadable input is a usage error."""
-    if path == "-":
-        source = sys.stdin.buffer
-    else:
-        p = Path(path)
-        if p.is_dir():
-            raise BatchUsageError(f"input {path} is a directory, not a JSONL file")
-        try:
-            source = open(p, "rb")
-        except OSError as e:
-            raise BatchUsageError(f"cannot read input {path}: {e.strerror or e}") from None
-        if source.seekable() and stat.S_ISREG(os.fstat(source.fileno()).st_mode):
-            return source
-    spool = tempfile.TemporaryFile(prefix="knorm-batch-input-")
-    try:
-        while chunk := source.read(1 << 20):
-            spool.write(chunk)
-    except OSError as e:
-        spool.close()
-        raise BatchUsageError(f"cannot read input {path}: {e.strerror or e}") from None
-    finally:
-        if source is not sys.stdin.buffer:
-            source.close()
-    spool.seek(0)
-    return spool
-
-
-def check_distinct_files(named: Sequence[tuple[str, Optional[str]]]) -> None:
-    """Refuse two roles on one file (the same path, a link, or the same inode),
-    which would read a file while truncating it, or write it twice."""
-    def identity(path: str):
-        try:
-            st = os.stat(path)
-        except OSError:
-            return ("path", os.path.realpath(path))
-        if not stat.S_ISREG(st.st_mode):
-            return None  # pipes and devices: reading one and writing another is fine
-        return ("inode", st.st_dev, st.st_ino)
-
-    seen: dict = {}
-    for role, path in named:
-        if path is None or path == "-":
-            continue
-        ident = identity(path)
-        if ident is None:
-            continue
-        if ident in seen:
-            other_role, other_path = seen[ident]
-            raise BatchUsageError(f"the {role} {path} is the same file as the {other_role} {other_path}; "
-                                  f"give each its own file")
-        seen[ident] = (role, path)
-
-
-def _check_writable(path: Optional[str], what: str) -> None:
-    """Refuse a path that cannot be written, without creating anything."""
-    if path is None or is_stream(path):
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise BatchUsageError(f"{what} {path} is a directory")
-    if p.exists():
-        if not os.access(p, os.W_OK):
-            raise BatchUsageError(f"cannot write {what} {path}: permission denied")
-        return
-    parent = p.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise BatchUsageError(f"cannot write {what} {path}: {parent} is not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise BatchUsageError(f"cannot write {what} {path}: permission denied in {parent}")
 
 
 # ------------------------------------------------------------------ resume
@@ -476,7 +401,7 @@ class _Signals:
             raise KeyboardInterrupt
         self.stop = True
         name = signal.Signals(signum).name
-        self._notify(f"\n{name}: stopping after the current row is written (again to abort it)")
+        self._notify(f"\n{name}: stopping after the rows in flight are written (again to abort them)")
 
     def __exit__(self, *exc) -> None:
         for sig, old in self._old.items():
@@ -509,13 +434,23 @@ def run_batch(
     :class:`Interrupted`. Row failures become error records. Returns the
     summary; its ``exit_code`` is one of the ``EXIT_*`` statuses.
     """
+    try:
+        return _run_batch(input_path, output_path, options, model=model, tokenizer=tokenizer, progress=progress,
+                          log=log, stdout=stdout)
+    except FileUsageError as e:
+        if isinstance(e, BatchUsageError):
+            raise
+        raise BatchUsageError(str(e)) from None
+
+
+def _run_batch(input_path, output_path, options, *, model, tokenizer, progress, log, stdout) -> BatchSummary:
     options = options or BatchOptions()
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     options.check()
     output_path = output_path or default_output(input_path)
     check_distinct_files([("input", input_path), ("output", output_path), ("stats log", options.stats_log),
                           ("summary", options.summary_json)])
-    locks: list[rec.FileLock] = []
+    locks: list[FileLock] = []
     with _Signals(log) as signals:
         try:
             stream = open_input(input_path)
@@ -524,13 +459,13 @@ def run_batch(
         try:
             for path, what in ((output_path, "output"), (options.stats_log, "stats log"),
                                (options.summary_json, "summary")):
-                _check_writable(path, what)
+                check_writable(path, what)
             for path in (output_path, options.stats_log):
                 if path is not None and not is_stream(path):
                     Path(path).parent.mkdir(parents=True, exist_ok=True)
                     try:
-                        locks.append(rec.FileLock(path).acquire())
-                    except rec.LockHeld as e:
+                        locks.append(FileLock(path).acquire())
+                    except LockHeld as e:
                         raise BatchUsageError(str(e)) from None
             if model is None:
                 model, tokenizer = get_model(options.model)
@@ -545,9 +480,9 @@ def run_batch(
             if not is_stream(output_path) and not options.overwrite:
                 plan = plan_resume(output_path, expected, options.accept_old_records)
                 if plan.rewrite:
-                    rec.rewrite_atomically(output_path, plan.keep)
+                    rewrite_atomically(output_path, plan.keep)
             if options.stats_log and not options.overwrite and not is_stream(options.stats_log):
-                rec.repair_torn_tail(options.stats_log)
+                repair_torn_tail(options.stats_log)
             if (plan.done or plan.rewrite) and progress:
                 log(f"resuming {output_path}: {len(plan.done)} rows already done"
                     + (f", {plan.retried} failed rows to retry" if plan.retried else "")
@@ -580,7 +515,7 @@ def run_batch(
             if options.summary_json:
                 try:
                     Path(options.summary_json).parent.mkdir(parents=True, exist_ok=True)
-                    rec.rewrite_atomically(options.summary_json,
+                    rewrite_atomically(options.summary_json,
                                            [(json.dumps(summary.to_dict(), indent=2) + "\n").encode()])
                 except OSError as e:
                     summary.io_error = summary.io_error or f"cannot write summary {options.summary_json}: {e}"
@@ -619,67 +554,162 @@ def _items(stream: BinaryIO, limit: Optional[int]) -> Iterator[Any]:
         yield item
 
 
+class _Sink:
+    """Writes each finished record whole, and counts it in the summary and the bar.
+    A closed output pipe or an I/O error sets ``stopped``: the run ends there."""
+
+    def __init__(self, writer, stats, summary: BatchSummary, bar):
+        self.writer, self.stats, self.summary, self.bar = writer, stats, summary, bar
+        self.ratios: list[float] = []
+        self.decode_s = 0.0
+        self.stopped = False
+
+    def skip(self) -> None:
+        self.summary.rows += 1
+        self.summary.skipped += 1
+        self.bar.update(1)
+
+    def emit(self, record: dict, line: int) -> None:
+        summary = self.summary
+        try:
+            self.writer.write(record)
+            if self.stats:
+                self.stats.write(stats_entry(record, line))
+        except BrokenPipeError:
+            summary.pipe_closed = self.stopped = True
+            _silence_stdout()
+            return
+        except OSError as e:
+            summary.io_error = f"cannot write: {e.strerror or e} ({e.filename or 'output'})"
+            self.stopped = True
+            return
+        summary.rows += 1
+        if record["error"] is None:
+            summary.ok += 1
+            summary.tokens_seen += record["tokens_seen"]
+            summary.tokens_kept += record["tokens_kept"]
+            summary.generated_tokens += record["generated_tokens"]
+            self.decode_s += record["decode_s"] or 0.0
+            self.ratios.append(record["compression_ratio"])
+        else:
+            summary.failed += 1
+            kind = record["error"]["type"]
+            summary.errors[kind] = summary.errors.get(kind, 0) + 1
+            if not self.bar.disable:  # per-row notes only beside a live progress bar
+                tqdm.write(f"error: {record['error']['message']}", file=sys.stderr)
+        self.bar.set_postfix({"ok": summary.ok, "failed": summary.failed,
+                              "tok/s": f"{summary.generated_tokens / self.decode_s:.1f}" if self.decode_s else "-",
+                              "compress": f"{sum(self.ratios) / len(self.ratios):.2f}x" if self.ratios else "-"},
+                             refresh=False)
+        self.bar.update(1)
+
+    def finish(self, wall_s: float) -> None:
+        summary = self.summary
+        summary.wall_s = wall_s
+        if self.ratios:
+            summary.compression_mean = sum(self.ratios) / len(self.ratios)
+            summary.compression_min, summary.compression_max = min(self.ratios), max(self.ratios)
+        if wall_s > 0:
+            summary.tokens_per_s = summary.tokens_seen / wall_s
+            summary.generated_tokens_per_s = summary.generated_tokens / wall_s
+
+
 def _loop(stream, writer, stats, done, ctx: _Context, summary: BatchSummary, total, progress, signals) -> None:
-    ratios: list[float] = []
-    decode_s = 0.0
     tic = time.perf_counter()
     bar = tqdm(total=total, unit="row", file=sys.stderr, dynamic_ncols=True,
                disable=not (progress and sys.stderr.isatty()))
-
-    def say(message: str) -> None:  # per-row notes only beside a live progress bar
-        if not bar.disable:
-            tqdm.write(message, file=sys.stderr)
-
+    sink = _Sink(writer, stats, summary, bar)
+    items = _items(stream, ctx.options.limit)
     with bar:
         try:
-            for item in _items(stream, ctx.options.limit):
-                if isinstance(item, rec.Row) and item.key in done:
-                    summary.rows += 1
-                    summary.skipped += 1
-                    bar.update(1)
-                    continue
-                record = error_record(item, ctx) if isinstance(item, rec.RowError) else run_row(item, ctx)
-                try:
-                    writer.write(record)
-                    if stats:
-                        stats.write(stats_entry(record, item.line))
-                except BrokenPipeError:
-                    summary.pipe_closed = True
-                    _silence_stdout()
-                    break
-                except OSError as e:
-                    summary.io_error = f"cannot write: {e.strerror or e} ({e.filename or 'output'})"
-                    break
-                summary.rows += 1
-                if record["error"] is None:
-                    summary.ok += 1
-                    summary.tokens_seen += record["tokens_seen"]
-                    summary.tokens_kept += record["tokens_kept"]
-                    summary.generated_tokens += record["generated_tokens"]
-                    decode_s += record["decode_s"] or 0.0
-                    ratios.append(record["compression_ratio"])
-                else:
-                    summary.failed += 1
-                    kind = record["error"]["type"]
-                    summary.errors[kind] = summary.errors.get(kind, 0) + 1
-                    say(f"error: {record['error']['message']}")
-                bar.set_postfix({"ok": summary.ok, "failed": summary.failed,
-                                 "tok/s": f"{summary.generated_tokens / decode_s:.1f}" if decode_s else "-",
-                                 "compress": f"{sum(ratios) / len(ratios):.2f}x" if ratios else "-"},
-                                refresh=False)
-                bar.update(1)
-                if signals.stop:
-                    summary.interrupted = True
-                    break
+            if ctx.options.batch_size == 1:
+                _run_alone(items, done, ctx, sink, signals)
+            else:
+                _run_batched(items, done, ctx, sink, signals)
         except KeyboardInterrupt:
             summary.interrupted = True
-    summary.wall_s = time.perf_counter() - tic
-    if ratios:
-        summary.compression_mean = sum(ratios) / len(ratios)
-        summary.compression_min, summary.compression_max = min(ratios), max(ratios)
-    if summary.wall_s > 0:
-        summary.tokens_per_s = summary.tokens_seen / summary.wall_s
-        summary.generated_tokens_per_s = summary.generated_tokens / summary.wall_s
+    if signals.stop:
+        summary.interrupted = True
+    sink.finish(time.perf_counter() - tic)
+
+
+def _run_alone(items, done, ctx: _Context, sink: _Sink, signals) -> None:
+    """One row at a time: each record is written before the next row starts."""
+    for item in items:
+        if isinstance(item, rec.Row) and item.key in done:
+            sink.skip()
+            continue
+        record = error_record(item, ctx) if isinstance(item, rec.RowError) else run_row(item, ctx)
+        sink.emit(record, item.line)
+        if sink.stopped or signals.stop:
+            return
+
+
+def _run_batched(items, done, ctx: _Context, sink: _Sink, signals) -> None:
+    """Prompt rows decode together, ``batch_size`` at a time (mlx_lm continuous
+    batching), each record written as its row finishes, so records appear in
+    finishing order. Rows whose eviction settings differ (a per-row ``budget``)
+    run in their own batch. A question row batches its own questions."""
+    from .batched import BatchEngine
+    from .generate import _check_length, encode_prompt
+
+    size = ctx.options.batch_size
+    engine, engine_key = None, None
+    flight: dict[int, tuple[rec.Row, dict]] = {}
+
+    def step() -> None:
+        nonlocal engine
+        try:
+            finished = engine.step()
+        except KeyboardInterrupt:
+            raise
+        except Exception:  # noqa: BLE001 - the batch failed: run its rows alone, so only a bad one fails
+            rows = [row for row, _ in flight.values()]
+            flight.clear()
+            engine = None
+            for row in rows:
+                sink.emit(run_row(row, ctx), row.line)
+            return
+        for line, result in finished:
+            row, config = flight.pop(line)
+            sink.emit(row_record(row, ctx, config, result), row.line)
+
+    def drain() -> None:
+        while engine is not None and len(engine) and not sink.stopped:
+            step()
+
+    for item in items:
+        if isinstance(item, rec.Row) and item.key in done:
+            sink.skip()
+            continue
+        if isinstance(item, rec.RowError):
+            sink.emit(error_record(item, ctx), item.line)
+        elif item.kind == "questions":
+            sink.emit(run_row(item, ctx), item.line)
+        else:
+            config = None
+            try:
+                eviction, generation, config = ctx.row_settings(item)
+                ids = encode_prompt(ctx.tokenizer, item.prompt, generation.chat)
+                _check_length(ctx.model, len(ids))
+            except Exception as e:  # noqa: BLE001 - a bad row never enters a batch
+                sink.emit(_row_error(item, ctx, config, e), item.line)
+            else:
+                key = (eviction, generation.prefill_step_size)
+                if engine is not None and key != engine_key:
+                    drain()
+                    engine = None
+                if engine is None:
+                    engine, engine_key = BatchEngine(ctx.model, ctx.tokenizer, eviction, batch_size=size,
+                                                     prefill_step_size=generation.prefill_step_size,
+                                                     seed=ctx.options.generation.seed), key
+                engine.add(item.line, ids, generation)
+                flight[item.line] = (item, config)
+                while engine is not None and len(engine) >= size and not sink.stopped:
+                    step()
+        if sink.stopped or signals.stop:
+            break
+    drain()  # after a first Ctrl-C too: the rows in flight are finished and written
 
 
 def _silence_stdout() -> None:

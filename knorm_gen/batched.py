@@ -183,7 +183,8 @@ def stream_batch_with_eviction(
 ) -> Iterator[tuple[int, GenerationResult]]:
     """Like :func:`generate_batch_with_eviction`, but yields ``(index, result)``
     as each row finishes (not in input order). Prompts are read lazily, so an
-    endless iterable works; at most about ``batch_size`` rows are in flight."""
+    endless iterable works; at most ``batch_size`` rows are in flight (the
+    schedule ``knorm-batch`` uses, so the two compute the same batches)."""
     eviction, generation = _configs(model, eviction, generation, settings)
     tok = _as_tokenizer(tokenizer)
     engine = BatchEngine(model, tok, eviction, batch_size=batch_size,
@@ -191,7 +192,7 @@ def stream_batch_with_eviction(
     source = iter(enumerate(prompts))
     exhausted = False
     while True:
-        while not exhausted and len(engine) < 2 * batch_size:
+        while not exhausted and len(engine) < batch_size:
             item = next(source, None)
             if item is None:
                 exhausted = True

@@ -30,7 +30,7 @@ from .batch import (
 )
 from .config import EVICTION_FIELDS, GENERATION_FIELDS, KEEP_MODES, EvictionConfig, GenerationConfig
 
-RUN_KEYS = ("input", "output", "model", "stats_log", "summary_json", "limit")
+RUN_KEYS = ("input", "output", "model", "batch_size", "stats_log", "summary_json", "limit")
 JOB_KEYS = {None: RUN_KEYS, "eviction": EVICTION_FIELDS, "generation": GENERATION_FIELDS}
 JOB_PATHS = ("input", "output", "stats_log", "summary_json")
 
@@ -182,8 +182,9 @@ def load_job(path: str) -> dict:
             flat[key] = value
     if "model" in flat and not isinstance(flat["model"], str):
         raise UsageFailure(f"job file {path}: 'model' must be text, got {flat['model']!r}")
-    if "limit" in flat and (isinstance(flat["limit"], bool) or not isinstance(flat["limit"], int)):
-        raise UsageFailure(f"job file {path}: 'limit' must be an integer, got {flat['limit']!r}")
+    for key in ("limit", "batch_size"):
+        if key in flat and (isinstance(flat[key], bool) or not isinstance(flat[key], int)):
+            raise UsageFailure(f"job file {path}: '{key}' must be an integer, got {flat[key]!r}")
     try:
         if "budget" in flat:
             flat["budget"] = parse_budget(flat["budget"])
@@ -243,6 +244,8 @@ class _BatchCommand(click.Command):
               "tokenizer has one.")
 @click.option("--question-separator", default="\n\n", show_default="a blank line",
               help="Text between a context and each question.")
+@click.option("--batch-size", type=int, default=BatchOptions.batch_size, show_default=True,
+              help="Rows decoded together (1 = one row at a time, records in input order).")
 @click.option("--stats-log", type=click.Path(dir_okay=False), help="Write per-row stats (no texts) as JSONL.")
 @click.option("--summary-json", type=click.Path(dir_okay=False), help="Write the end-of-run summary as JSON.")
 @click.option("--overwrite", is_flag=True, help="Start a fresh output instead of resuming.")
@@ -286,7 +289,7 @@ def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optio
     except ValueError as e:
         raise UsageFailure(str(e)) from None
     options = BatchOptions(model=settings["model"], eviction=eviction, generation=generation,
-                           overwrite=overwrite, accept_old_records=accept_old_records, limit=settings.get("limit"),
+                           batch_size=settings["batch_size"], overwrite=overwrite, accept_old_records=accept_old_records, limit=settings.get("limit"),
                            stats_log=settings.get("stats_log"), summary_json=settings.get("summary_json"))
     try:
         summary = run_batch(settings["input"], settings.get("output"), options, progress=not quiet)

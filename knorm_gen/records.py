@@ -12,7 +12,6 @@ flushes and fsyncs, so a kill loses at most the record being written.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import math
@@ -21,6 +20,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Optional, Union
+
+from .files import rewrite_atomically  # noqa: F401  (re-exported: it lived here first)
 
 MAX_LINE_BYTES = 64 * 1024 * 1024
 """Longer input lines are skipped unread and reported as ``line_too_long``."""
@@ -423,105 +424,3 @@ def _as_record(line: bytes) -> Optional[dict]:
     return record
 
 
-def repair_torn_tail(path: Union[str, Path]) -> bool:
-    """Cut an unterminated last line (a kill mid-write) from a JSONL file, atomically.
-    Returns whether anything was cut."""
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        return False
-    if not data or data.endswith(b"\n"):
-        return False
-    keep = data[: data.rfind(b"\n") + 1]
-    rewrite_atomically(path, [keep])
-    return True
-
-
-class LockHeld(RuntimeError):
-    """Another process holds the lock on a file this run would write."""
-
-
-class FileLock:
-    """An exclusive, advisory lock on a file a run writes, held for the whole run.
-
-    The lock lives on a sidecar ``.NAME.lock`` holding the owner's pid, because
-    the file itself may be replaced by an atomic rewrite (a lock on the old
-    inode would then guard nothing). ``flock`` is dropped by the kernel when
-    the owner dies, even by ``kill -9``, so a crash never leaves a stale lock.
-    """
-
-    def __init__(self, path: Union[str, Path]):
-        self.path = Path(path)
-        self.lock_path = self.path.with_name(f".{self.path.name}.lock")
-        self._fd: Optional[int] = None
-
-    def acquire(self) -> "FileLock":
-        while True:
-            try:
-                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError:
-                # No sidecar possible (a read-only folder): lock the file itself,
-                # which then cannot be replaced by a rewrite either.
-                self.lock_path = self.path
-                fd = os.open(self.path, os.O_RDONLY)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = self._holder(fd)
-                os.close(fd)
-                raise LockHeld(f"{self.path} is being written by another knorm-batch run{holder}; "
-                               "wait for it to finish, or write to another --output") from None
-            # The previous holder may have unlinked the sidecar after we opened it.
-            try:
-                current = os.stat(self.lock_path).st_ino
-            except FileNotFoundError:
-                current = None
-            if current == os.fstat(fd).st_ino:
-                break
-            os.close(fd)
-        if self.lock_path != self.path:
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
-        return self
-
-    @staticmethod
-    def _holder(fd: int) -> str:
-        try:
-            pid = os.pread(fd, 32, 0).decode().strip()
-        except (OSError, UnicodeDecodeError):
-            return ""
-        return f" (pid {pid})" if pid.isdigit() else ""
-
-    def release(self) -> None:
-        if self._fd is None:
-            return
-        if self.lock_path != self.path:
-            try:
-                os.unlink(self.lock_path)  # while still holding it: see acquire()
-            except OSError:
-                pass
-        os.close(self._fd)
-        self._fd = None
-
-    def __enter__(self) -> "FileLock":
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-def rewrite_atomically(path: Union[str, Path], lines: list[bytes]) -> None:
-    """Replace ``path`` with ``lines``: temp file, fsync, rename, fsync the folder."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.writelines(lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from knorm_gen import EvictionConfig, GenerationConfig, answer_questions, generate_with_eviction
+from knorm_gen import (EvictionConfig, GenerationConfig, answer_questions, generate_batch_with_eviction,
+                       generate_with_eviction)
 from knorm_gen.batch import RECORD_FIELDS, BatchOptions, BatchUsageError, get_model, run_batch
 
 OPTS = dict(budget=16, max_tokens=2)
@@ -32,7 +33,9 @@ def read_records(path):
 
 
 def run(tmp_path, rows, name="in.jsonl", **kw):
-    opts = options(**{**OPTS, **kw.pop("options", {})})
+    # one row at a time unless a test batches: records then follow input order and
+    # each equals the single-row library call exactly
+    opts = options(**{**OPTS, "batch_size": 1, **kw.pop("options", {})})
     inp = write_rows(tmp_path / name, rows)
     out = str(tmp_path / "out.jsonl")
     return run_batch(inp, out, opts, progress=False, **kw), out
@@ -86,8 +89,9 @@ def test_per_row_overrides(tmp_path, mt):
 def test_prompt_longer_than_context_is_a_record_and_the_run_goes_on(tmp_path, mt):
     rows = [{"id": "huge", "prompt": "word " * 400_000}, {"id": "ok", "prompt": "Say yes."},
             {"id": "conflict", "prompt": "Say no.", "budget": 4}]
-    summary, out = run(tmp_path, rows)
-    huge, ok, conflict = read_records(out)
+    summary, out = run(tmp_path, rows, options={"batch_size": 4})
+    by_id = {r["id"]: r for r in read_records(out)}
+    huge, ok, conflict = by_id["huge"], by_id["ok"], by_id["conflict"]
     assert huge["error"]["type"] == "prompt_too_long" and "longer than the model context" in huge["error"]["message"]
     assert ok["error"] is None
     assert conflict["error"]["type"] == "invalid_row" and "n_sink + recent must be < budget" in conflict["error"]["message"]
@@ -152,3 +156,24 @@ def test_usage_errors_before_any_work(tmp_path, mt):
         run_batch(inp, str(tmp_path / "corrupt.jsonl"), BatchOptions(), progress=False)
     with pytest.raises(BatchUsageError, match="cannot load model"):
         run_batch(inp, str(out), BatchOptions(model=str(tmp_path / "nope.gguf")), progress=False)
+
+
+def test_batched_run_equals_the_batch_api_and_bad_rows_stay_out(tmp_path, mt):
+    # The runner and generate_batch_with_eviction build the same batches from the
+    # same rows, so their outputs agree exactly; bad rows never enter a batch.
+    model, tok = mt
+    good = [f"Name {n} animals that live in the sea." for n in ("two", "three", "four", "five", "six")]
+    rows = [{"id": f"g{i}", "prompt": p} for i, p in enumerate(good)]
+    rows.insert(2, {"id": "bad", "prompt": "", "note": "empty"})
+    rows.insert(4, {"id": "long", "prompt": "word " * 9000})
+    rows.insert(5, {"id": "q", "context": "Ice is cold.", "question": "Is ice hot?"})
+    summary, out = run(tmp_path, rows, options={"batch_size": 3})
+    records = {r["id"]: r for r in read_records(out)}
+    assert set(records) == {r["id"] for r in rows} and summary.ok == 6 and summary.failed == 2
+    assert records["bad"]["error"]["type"] == "invalid_row" and records["long"]["error"]["type"] == "prompt_too_long"
+    want = generate_batch_with_eviction(model, tok, good, batch_size=3, **OPTS)
+    for i, w in enumerate(want):
+        r = records[f"g{i}"]
+        assert r["completion"] == w.text and r["tokens_seen"] == w.tokens_seen and r["kept_bytes"] == w.kept_bytes
+    ref = answer_questions(model, tok, "Ice is cold.", ["Is ice hot?"], **OPTS)
+    assert records["q"]["answers"][0]["answer"] == ref[0].text

@@ -79,7 +79,8 @@ def slow_rows(path, n=6):
 
 def test_a_second_run_on_a_locked_output_exits_2_naming_the_holder(tmp_path, tiny_model_dir):
     inp, out = slow_rows(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
-    args = [inp, "-o", out, "--model", tiny_model_dir, "--budget", "16", "--max-tokens", "400", "-q"]
+    args = [inp, "-o", out, "--model", tiny_model_dir, "--budget", "16", "--max-tokens", "400", "-q",
+            "--batch-size", "1"]
     first = subprocess.Popen([*CLI, *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_bytes().count(b"\n") >= 1):
@@ -116,7 +117,7 @@ def wait_lines(proc, path, k, timeout=120):
 def test_interrupt_prints_a_resume_command_without_overwrite(tmp_path, tiny_model_dir, sig):
     inp, out = slow_rows(tmp_path / "in.jsonl", n=8), tmp_path / "out.jsonl"
     args = [inp, "-o", out, "--overwrite", "--model", tiny_model_dir, "--budget", "16", "--max-tokens", "300",
-            "-q"]
+            "-q", "--batch-size", "2"]
     proc = subprocess.Popen([*CLI, *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
     wait_lines(proc, out, 2)
     proc.send_signal(sig)
@@ -256,7 +257,7 @@ def test_output_to_dev_stdout_through_a_pipe_does_not_hang(tmp_path, tiny_model_
 
 
 def test_closed_output_pipe_ends_quietly_with_141(tmp_path, tiny_model_dir):
-    inp = slow_rows(tmp_path / "in.jsonl", n=5)
+    inp = slow_rows(tmp_path / "in.jsonl", n=300)  # more output than a pipe buffers
     cmd = " ".join([*CLI, str(inp), "-o", "-", "--model", str(tiny_model_dir), "--budget", "16",
                     "--max-tokens", "2", "-q", "| head -1"])
     proc = subprocess.run(["bash", "-c", cmd + "; echo \"rc=${PIPESTATUS[0]}\" >&2"], capture_output=True,

@@ -1,0 +1,226 @@
+"""Files a run reads and writes: streams vs regular files, distinct roles,
+writability checks, locks, atomic rewrites and torn-tail repair."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+import sys
+import tempfile
+from pathlib import Path
+from typing import BinaryIO, Optional, Sequence, Union
+
+
+class FileUsageError(ValueError):
+    """A file problem found before any work starts."""
+
+
+def default_output(input_path: str) -> str:
+    """``<input stem>.completions.jsonl`` beside a regular input file; stdout otherwise
+    (stdin, a pipe such as ``<(cat a.jsonl)``, a device)."""
+    if input_path == "-" or _special_path(input_path):
+        return "-"
+    p = Path(input_path)
+    try:
+        if not stat.S_ISREG(p.stat().st_mode):
+            return "-"
+    except OSError:
+        pass
+    return str(p.with_name(p.stem + ".completions.jsonl"))
+
+
+def _special_path(path: str) -> bool:
+    # /dev/stdin, /dev/fd/63 (a shell's <(...)), /proc/self/fd/0: a stream even when
+    # it resolves to a regular file, and never a place to create files beside.
+    return os.path.abspath(path).startswith(("/dev/", "/proc/"))
+
+
+def is_stream(path: str) -> bool:
+    """``-`` or an existing file that is not a regular file (a pipe, a terminal, /dev/stdout)."""
+    if path == "-" or _special_path(path):
+        return True
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def open_input(path: str) -> BinaryIO:
+    """The input as a seekable binary stream. Stdin and pipes are spooled to a
+    temporary file first, because the runner reads the rows twice (once to plan
+    the resume, once to run). Unreadable input is a usage error."""
+    if path == "-":
+        source = sys.stdin.buffer
+    else:
+        p = Path(path)
+        if p.is_dir():
+            raise FileUsageError(f"input {path} is a directory, not a JSONL file")
+        try:
+            source = open(p, "rb")
+        except OSError as e:
+            raise FileUsageError(f"cannot read input {path}: {e.strerror or e}") from None
+        if source.seekable() and stat.S_ISREG(os.fstat(source.fileno()).st_mode):
+            return source
+    spool = tempfile.TemporaryFile(prefix="knorm-batch-input-")
+    try:
+        while chunk := source.read(1 << 20):
+            spool.write(chunk)
+    except OSError as e:
+        spool.close()
+        raise FileUsageError(f"cannot read input {path}: {e.strerror or e}") from None
+    finally:
+        if source is not sys.stdin.buffer:
+            source.close()
+    spool.seek(0)
+    return spool
+
+
+def check_distinct_files(named: Sequence[tuple[str, Optional[str]]]) -> None:
+    """Refuse two roles on one file (the same path, a link, or the same inode),
+    which would read a file while truncating it, or write it twice."""
+    def identity(path: str):
+        try:
+            st = os.stat(path)
+        except OSError:
+            return ("path", os.path.realpath(path))
+        if not stat.S_ISREG(st.st_mode):
+            return None  # pipes and devices: reading one and writing another is fine
+        return ("inode", st.st_dev, st.st_ino)
+
+    seen: dict = {}
+    for role, path in named:
+        if path is None or path == "-":
+            continue
+        ident = identity(path)
+        if ident is None:
+            continue
+        if ident in seen:
+            other_role, other_path = seen[ident]
+            raise FileUsageError(f"the {role} {path} is the same file as the {other_role} {other_path}; "
+                                  f"give each its own file")
+        seen[ident] = (role, path)
+
+
+def check_writable(path: Optional[str], what: str) -> None:
+    """Refuse a path that cannot be written, without creating anything."""
+    if path is None or is_stream(path):
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise FileUsageError(f"{what} {path} is a directory")
+    if p.exists():
+        if not os.access(p, os.W_OK):
+            raise FileUsageError(f"cannot write {what} {path}: permission denied")
+        return
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise FileUsageError(f"cannot write {what} {path}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise FileUsageError(f"cannot write {what} {path}: permission denied in {parent}")
+
+
+def repair_torn_tail(path: Union[str, Path]) -> bool:
+    """Cut an unterminated last line (a kill mid-write) from a JSONL file, atomically.
+    Returns whether anything was cut."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return False
+    if not data or data.endswith(b"\n"):
+        return False
+    keep = data[: data.rfind(b"\n") + 1]
+    rewrite_atomically(path, [keep])
+    return True
+
+
+class LockHeld(RuntimeError):
+    """Another process holds the lock on a file this run would write."""
+
+
+class FileLock:
+    """An exclusive, advisory lock on a file a run writes, held for the whole run.
+
+    The lock lives on a sidecar ``.NAME.lock`` holding the owner's pid, because
+    the file itself may be replaced by an atomic rewrite (a lock on the old
+    inode would then guard nothing). ``flock`` is dropped by the kernel when
+    the owner dies, even by ``kill -9``, so a crash never leaves a stale lock.
+    """
+
+    def __init__(self, path: Union[str, Path]):
+        self.path = Path(path)
+        self.lock_path = self.path.with_name(f".{self.path.name}.lock")
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> "FileLock":
+        while True:
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError:
+                # No sidecar possible (a read-only folder): lock the file itself,
+                # which then cannot be replaced by a rewrite either.
+                self.lock_path = self.path
+                fd = os.open(self.path, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = self._holder(fd)
+                os.close(fd)
+                raise LockHeld(f"{self.path} is being written by another knorm-batch run{holder}; "
+                               "wait for it to finish, or write to another --output") from None
+            # The previous holder may have unlinked the sidecar after we opened it.
+            try:
+                current = os.stat(self.lock_path).st_ino
+            except FileNotFoundError:
+                current = None
+            if current == os.fstat(fd).st_ino:
+                break
+            os.close(fd)
+        if self.lock_path != self.path:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    @staticmethod
+    def _holder(fd: int) -> str:
+        try:
+            pid = os.pread(fd, 32, 0).decode().strip()
+        except (OSError, UnicodeDecodeError):
+            return ""
+        return f" (pid {pid})" if pid.isdigit() else ""
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        if self.lock_path != self.path:
+            try:
+                os.unlink(self.lock_path)  # while still holding it: see acquire()
+            except OSError:
+                pass
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> "FileLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def rewrite_atomically(path: Union[str, Path], lines: list[bytes]) -> None:
+    """Replace ``path`` with ``lines``: temp file, fsync, rename, fsync the folder."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
