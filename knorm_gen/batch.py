@@ -41,6 +41,7 @@ from .files import (
     rewrite_atomically,
 )
 from .config import EvictionConfig, GenerationConfig, make_configs
+from .distributed import Group, local_parts, part_path, shard_of
 
 EXIT_OK = 0
 EXIT_ROWS_FAILED = 1
@@ -112,6 +113,7 @@ class BatchSummary:
     io_error: Optional[str] = None
     pipe_closed: bool = False
     errors: dict = field(default_factory=dict)  # error type -> count
+    ranks: list = field(default_factory=list)  # a distributed run: each rank's own numbers
 
     @property
     def exit_code(self) -> int:
@@ -137,6 +139,10 @@ class BatchSummary:
                          f"(min {self.compression_min:.2f}x, max {self.compression_max:.2f}x)")
         lines.append(f"  wall {self.wall_s:.1f} s; {self.tokens_per_s:.1f} tokens/s processed, "
                      f"{self.generated_tokens_per_s:.1f} tokens/s generated")
+        for r, numbers in enumerate(self.ranks):
+            lines.append(f"  rank {r}: {numbers['rows']} rows ({numbers['ok']} ok, {numbers['failed']} failed, "
+                         f"{numbers['skipped']} skipped), {numbers['generated_tokens']} tokens generated, "
+                         f"{numbers['generated_tokens_per_s']:.1f} tokens/s, wall {numbers['wall_s']:.1f} s")
         if self.io_error:
             lines.append(f"  stopped: {self.io_error}")
         return "\n".join(lines)
@@ -347,21 +353,12 @@ class ResumePlan:
     retried: int = 0
 
 
-def plan_resume(output: str, expected: dict[str, Optional[str]], accept_old: bool) -> ResumePlan:
-    """Compare an earlier output with the input's rows.
-
-    ``expected`` maps each input row's id to the fingerprint a record of it
-    would carry now. A record counts as done only when its fingerprint matches.
-    A record made from another row or other settings, or one whose id is no
-    longer in the input, stops the run before work (BatchUsageError) unless
-    ``accept_old`` keeps them as done.
-    """
-    try:
-        state = rec.scan_output(output)
-    except rec.OutputCorrupt as e:
-        raise BatchUsageError(str(e)) from None
-    changed = [k for k, (fp, _) in state.records.items() if k in expected and fp != expected[k]]
-    gone = [k for k in state.records if k not in expected]
+def check_resume(records: dict, expected: dict[str, Optional[str]], accept_old: bool, where: str) -> None:
+    """Refuse earlier records made from another row or other settings than the
+    input and options give now, or whose id is no longer in the input, unless
+    ``accept_old`` keeps them as done. ``records`` maps id -> (fingerprint, line)."""
+    changed = [k for k, (fp, _) in records.items() if k in expected and fp != expected[k]]
+    gone = [k for k in records if k not in expected]
     if (changed or gone) and not accept_old:
         parts = []
         if changed:
@@ -369,9 +366,22 @@ def plan_resume(output: str, expected: dict[str, Optional[str]], accept_old: boo
                          f"the input and options give now (first: id {changed[0]!r})")
         if gone:
             parts.append(f"{len(gone)} record(s) have ids that are no longer in the input (first: id {gone[0]!r})")
-        raise BatchUsageError(f"{output}: " + "; ".join(parts) + ". Nothing was run. Use --overwrite to start "
+        raise BatchUsageError(f"{where}: " + "; ".join(parts) + ". Nothing was run. Use --overwrite to start "
                               "over, -o to write another file, or --accept-old-records to keep the old records "
                               "as they are (counted as done).")
+
+
+def plan_resume(output: str, expected: dict[str, Optional[str]], accept_old: bool) -> ResumePlan:
+    """Compare an earlier output with the input's rows (see :func:`check_resume`).
+
+    ``expected`` maps each input row's id to the fingerprint a record of it
+    would carry now. A record counts as done only when its fingerprint matches.
+    """
+    try:
+        state = rec.scan_output(output)
+    except rec.OutputCorrupt as e:
+        raise BatchUsageError(str(e)) from None
+    check_resume(state.records, expected, accept_old, output)
     return ResumePlan(done=set(state.records), keep=[line for _, line in state.records.values()],
                       rewrite=state.needs_rewrite, torn=state.torn, retried=state.dropped_errors)
 
@@ -425,6 +435,7 @@ def run_batch(
     progress: bool = True,
     log: Optional[Callable[[str], None]] = None,
     stdout: Optional[BinaryIO] = None,
+    group: Optional[Group] = None,
 ) -> BatchSummary:
     """Run every row of ``input_path`` (``-`` = stdin) into ``output_path``.
 
@@ -433,76 +444,130 @@ def run_batch(
     raises :class:`BatchUsageError`; a signal before work raises
     :class:`Interrupted`. Row failures become error records. Returns the
     summary; its ``exit_code`` is one of the ``EXIT_*`` statuses.
+
+    With a ``group`` of more than one process (``mlx.launch``; see
+    :mod:`knorm_gen.distributed`), this process runs its share of the rows
+    into its part file, and rank 0 writes the final output, stats log and
+    summary once every rank has finished.
     """
     try:
-        return _run_batch(input_path, output_path, options, model=model, tokenizer=tokenizer, progress=progress,
-                          log=log, stdout=stdout)
+        return _run_batch(input_path, output_path, options or BatchOptions(), model=model, tokenizer=tokenizer,
+                          progress=progress, log=log or _stderr, stdout=stdout, group=group or Group())
     except FileUsageError as e:
         if isinstance(e, BatchUsageError):
             raise
         raise BatchUsageError(str(e)) from None
 
 
-def _run_batch(input_path, output_path, options, *, model, tokenizer, progress, log, stdout) -> BatchSummary:
-    options = options or BatchOptions()
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    options.check()
-    output_path = output_path or default_output(input_path)
-    check_distinct_files([("input", input_path), ("output", output_path), ("stats log", options.stats_log),
-                          ("summary", options.summary_json)])
-    locks: list[FileLock] = []
-    with _Signals(log) as signals:
-        try:
-            stream = open_input(input_path)
-        except KeyboardInterrupt:
-            raise Interrupted from None
-        try:
-            for path, what in ((output_path, "output"), (options.stats_log, "stats log"),
-                               (options.summary_json, "summary")):
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class _Files:
+    """The files one process writes: its own output and stats log (part files
+    in a distributed run), and the final ones rank 0 assembles."""
+
+    input: str
+    output: str
+    stats_log: Optional[str]
+    own_output: str
+    own_stats: Optional[str]
+
+    @classmethod
+    def plan(cls, input_path: str, output_path: Optional[str], options: BatchOptions, group: Group) -> "_Files":
+        output = output_path or default_output(input_path)
+        if not group.distributed:
+            return cls(input_path, output, options.stats_log, output, options.stats_log)
+        if input_path == "-" or is_stream(input_path) or is_stream(output):
+            raise BatchUsageError("a run across several processes needs the input and the output as regular files "
+                                  "(each rank writes a part file beside the output)")
+        stats = options.stats_log
+        if stats is not None and is_stream(stats):
+            raise BatchUsageError("a run across several processes needs the stats log as a regular file")
+        return cls(input_path, output, stats, part_path(output, group.rank, group.size),
+                   part_path(stats, group.rank, group.size) if stats else None)
+
+    def check(self, options: BatchOptions, group: Group) -> None:
+        named = [("input", self.input), ("output", self.output), ("stats log", self.stats_log),
+                 ("summary", options.summary_json)]
+        if group.distributed:
+            named += [("output part", self.own_output), ("stats log part", self.own_stats)]
+        check_distinct_files(named)
+        for path, what in ((self.own_output, "output"), (self.own_stats, "stats log"),
+                           (options.summary_json, "summary")):
+            check_writable(path, what)
+        if group.distributed and group.rank == 0:
+            for path, what in ((self.output, "output"), (self.stats_log, "stats log")):
                 check_writable(path, what)
-            for path in (output_path, options.stats_log):
+
+    def lock(self, group: Group) -> list[FileLock]:
+        paths = [self.own_output, self.own_stats]
+        if group.distributed and group.rank == 0:
+            paths += [self.output, self.stats_log]  # a second job on the same output stops at once
+        locks = []
+        try:
+            for path in paths:
                 if path is not None and not is_stream(path):
                     Path(path).parent.mkdir(parents=True, exist_ok=True)
-                    try:
-                        locks.append(FileLock(path).acquire())
-                    except LockHeld as e:
-                        raise BatchUsageError(str(e)) from None
+                    locks.append(FileLock(path).acquire())
+        except LockHeld as e:
+            for lock in locks:
+                lock.release()
+            raise BatchUsageError(str(e)) from None
+        return locks
+
+
+def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokenizer, progress, log, stdout,
+               group: Group) -> BatchSummary:
+    options.check()
+    files = _Files.plan(input_path, output_path, options, group)
+    if group.rank:
+        progress = False  # rank 0 shows the bar; the others speak only of errors
+    locks: list[FileLock] = []
+    stream = None
+    with _Signals(log) as signals:
+        error: Optional[BaseException] = None
+        try:
+            files.check(options, group)
+            stream = open_input(files.input)
+            locks = files.lock(group)
             if model is None:
                 model, tokenizer = get_model(options.model)
             try:
                 eviction = options.eviction.resolved(len(model.layers))
             except ValueError as e:
                 raise BatchUsageError(str(e)) from None
-            ctx = _Context(options, model, tokenizer, eviction,
-                           record_config(eviction, options.generation))
-            expected, total = _scan_rows(stream, ctx)
-            plan = ResumePlan()
-            if not is_stream(output_path) and not options.overwrite:
-                plan = plan_resume(output_path, expected, options.accept_old_records)
-                if plan.rewrite:
-                    rewrite_atomically(output_path, plan.keep)
-            if options.stats_log and not options.overwrite and not is_stream(options.stats_log):
-                repair_torn_tail(options.stats_log)
-            if (plan.done or plan.rewrite) and progress:
-                log(f"resuming {output_path}: {len(plan.done)} rows already done"
-                    + (f", {plan.retried} failed rows to retry" if plan.retried else "")
-                    + (", cut a torn last line" if plan.torn else ""))
-            writer = _open_writer(output_path, options.overwrite, stdout)
-            stats = _open_writer(options.stats_log, options.overwrite, None) if options.stats_log else None
+            ctx = _Context(options, model, tokenizer, eviction, record_config(eviction, options.generation))
+            expected, total = _scan_rows(stream, ctx, group)
         except KeyboardInterrupt:
+            error = Interrupted()
+        except BaseException as e:  # noqa: BLE001 - in a group, every rank must hear of it (below)
+            error = e
+        try:
+            if group.distributed:  # a rank that failed to start fails the launch, with its error, on every rank
+                failures = [(r, m) for r, m in enumerate(group.gather_json(_describe(error))) if m]
+                if failures:
+                    if isinstance(error, KeyboardInterrupt):
+                        raise Interrupted
+                    raise BatchUsageError("; ".join(f"rank {r}: {m}" for r, m in failures))
+            elif error is not None:
+                raise error
+            plan = _plan(files, expected, options, group, log if progress else None)
+            writer = _open_writer(files.own_output, options.overwrite, stdout)
+            stats = _open_writer(files.own_stats, options.overwrite, None) if files.own_stats else None
+        except BaseException as e:
             for lock in locks:
                 lock.release()
-            stream.close()
-            raise Interrupted from None
-        except BaseException:
-            for lock in locks:
-                lock.release()
-            stream.close()
+            if stream is not None:
+                stream.close()
+            if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
+                raise Interrupted from None
             raise
-        summary = BatchSummary(input=input_path, output=output_path, model=options.model)
+        summary = BatchSummary(input=files.input, output=files.output, model=options.model)
         try:
             signals.graceful = True
-            _loop(stream, writer, stats, plan.done, ctx, summary, total, progress, signals)
+            _loop(stream, writer, stats, plan.done, ctx, summary, total, progress, signals, group)
         finally:
             signals.graceful = False
             for closing in (writer, stats):
@@ -511,17 +576,202 @@ def _run_batch(input_path, output_path, options, *, model, tokenizer, progress, 
                         closing.close()
                     except OSError:
                         pass  # a closed pipe or full disk: already recorded in the summary
+        try:
+            if group.distributed:
+                summary = _finish_group(files, stream, ctx, expected, plan, summary, group)
+            _write_summary(options.summary_json if group.rank == 0 else None, summary)
+        finally:
             stream.close()
-            if options.summary_json:
-                try:
-                    Path(options.summary_json).parent.mkdir(parents=True, exist_ok=True)
-                    rewrite_atomically(options.summary_json,
-                                           [(json.dumps(summary.to_dict(), indent=2) + "\n").encode()])
-                except OSError as e:
-                    summary.io_error = summary.io_error or f"cannot write summary {options.summary_json}: {e}"
             for lock in locks:
                 lock.release()
     return summary
+
+
+def _describe(error: Optional[BaseException]) -> Optional[str]:
+    if error is None:
+        return None
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted before any row ran"
+    if isinstance(error, FileUsageError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def _write_summary(path: Optional[str], summary: BatchSummary) -> None:
+    if not path:
+        return
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        rewrite_atomically(path, [(json.dumps(summary.to_dict(), indent=2) + "\n").encode()])
+    except OSError as e:
+        summary.io_error = summary.io_error or f"cannot write summary {path}: {e}"
+
+
+def _plan(files: _Files, expected: dict, options: BatchOptions, group: Group,
+          log: Optional[Callable[[str], None]]) -> ResumePlan:
+    """What is already done. One process: its output. A group: every rank's earlier
+    records (its part files and, on rank 0's machine, the final output), exchanged."""
+    if is_stream(files.own_output):
+        return ResumePlan()
+    if not group.distributed:
+        parts = local_parts(files.output)
+        if options.overwrite:
+            for path in parts:
+                path.unlink(missing_ok=True)
+            return ResumePlan()
+        plan = plan_resume(files.own_output, expected, options.accept_old_records)
+        if parts:  # an earlier run across several processes stopped before its merge: take its records in
+            have = set(plan.done)
+            extra = [(k, fp, line.encode("utf-8")) for k, fp, line in _local_records(files) if k not in have]
+            extra = list({k: (fp, line) for k, fp, line in extra}.items())
+            check_resume(dict(extra), expected, options.accept_old_records, files.output)
+            plan.keep += [line for _, (_, line) in extra]
+            plan.done |= {k for k, _ in extra}
+            plan.rewrite = True
+        if plan.rewrite:
+            rewrite_atomically(files.own_output, plan.keep)
+            for path in parts:
+                path.unlink(missing_ok=True)
+        if files.own_stats and not is_stream(files.own_stats):
+            repair_torn_tail(files.own_stats)
+        if (plan.done or plan.rewrite) and log:
+            log(f"resuming {files.own_output}: {len(plan.done)} rows already done"
+                + (f", {plan.retried} failed rows to retry" if plan.retried else "")
+                + (", cut a torn last line" if plan.torn else ""))
+        return plan
+    if options.overwrite:
+        for path in [*local_parts(files.output)] + ([*local_parts(files.stats_log)] if files.stats_log else []):
+            if str(path) not in (files.own_output, files.own_stats):
+                path.unlink(missing_ok=True)
+        group.barrier()  # nobody deletes a part another rank has started since
+        return ResumePlan()
+    mine = _local_records(files)
+    union: dict[str, tuple[Optional[str], bytes]] = {}
+    for records in group.gather_json(mine):
+        for key, fp, line in records:
+            current = union.get(key)
+            if current is None or (current[0] != expected.get(key) and fp == expected.get(key)):
+                union[key] = (fp, line.encode("utf-8"))
+    check_resume(union, expected, options.accept_old_records, files.output)
+    state = rec.scan_output(files.own_output)  # this rank's part: cut a torn line, drop failed records
+    if state.needs_rewrite:
+        rewrite_atomically(files.own_output, [line for _, line in state.records.values()])
+    if files.own_stats:
+        repair_torn_tail(files.own_stats)
+    if union and log:
+        log(f"resuming {files.output}: {len(union)} rows already done (all ranks)")
+    return ResumePlan(done=set(union), keep=[line for _, line in union.values()])
+
+
+def _local_records(files: _Files) -> list[tuple[str, Optional[str], str]]:
+    """``(id, fingerprint, line)`` of every successful record on this machine:
+    the final output (if it is here) and every part file, of any group size."""
+    out = []
+    for path in [Path(files.output), *local_parts(files.output)]:
+        try:
+            state = rec.scan_output(path)
+        except rec.OutputCorrupt as e:
+            raise BatchUsageError(str(e)) from None
+        out += [(key, fp, line.decode("utf-8")) for key, (fp, line) in state.records.items()]
+    return out
+
+
+def _finish_group(files: _Files, stream, ctx: _Context, expected: dict, plan: ResumePlan, summary: BatchSummary,
+                  group: Group) -> BatchSummary:
+    """Every rank's records to rank 0, which writes the final output in input order;
+    then each rank removes the part files the output now holds."""
+    if summary.interrupted or summary.io_error:
+        return summary  # the parts keep every finished record; rerunning the launch resumes
+    parts = [Path(files.own_output), *local_parts(files.output)]
+    stats_parts = [Path(files.own_stats), *local_parts(files.stats_log)] if files.stats_log else []
+    blobs = group.gather_bytes(b"".join(_read(p) for p in dict.fromkeys(parts)))
+    stats_blobs = group.gather_bytes(b"".join(_read(p) for p in dict.fromkeys(stats_parts)))
+    summaries = group.gather_json(summary.to_dict())
+    total = combine_summaries(summaries, files)
+    if group.rank == 0:
+        stream.seek(0)
+        lines = merge_records(_items(stream, ctx.options.limit), plan.keep, blobs, expected,
+                              ctx.options.accept_old_records)
+        rewrite_atomically(files.output, lines)
+        if files.stats_log:
+            rewrite_atomically(files.stats_log, merge_stats(_read(Path(files.stats_log)), stats_blobs))
+    group.barrier()  # rank 0 has written and fsynced the final files: the parts are redundant now
+    for path in dict.fromkeys(parts + stats_parts):
+        path.unlink(missing_ok=True)
+    return total if group.rank == 0 else summary
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
+def merge_records(items: Iterator[Any], earlier: list[bytes], blobs: list[bytes], expected: dict,
+                  accept_old: bool) -> list[bytes]:
+    """The final output: one line per input row, in input order. A row's
+    successful record comes from the earlier records or any part (one whose
+    fingerprint matches the input wins); else its error record from a part."""
+    good: dict[str, bytes] = {}
+    errors: dict[int, bytes] = {}
+    for line in [*earlier, *(x + b"\n" for blob in blobs for x in blob.splitlines() if x.strip())]:
+        record = rec._as_record(line.rstrip(b"\n"))
+        if record is None:
+            continue  # a torn tail of a part this run did not own
+        if record["error"] is None and record["id"] is not None:
+            key = rec.id_key(record["id"])
+            fits = record.get("fingerprint") == expected.get(key) or accept_old
+            if key not in good or fits:
+                good[key] = line
+        elif isinstance(record["error"], dict) and isinstance(record["error"].get("line"), int):
+            errors[record["error"]["line"]] = line
+    out = []
+    for item in items:
+        key = item.key if isinstance(item, rec.Row) else None
+        if key is not None and key in good:
+            out.append(good[key])
+        elif item.line in errors:
+            out.append(errors[item.line])
+    return out
+
+
+def merge_stats(earlier: bytes, blobs: list[bytes]) -> list[bytes]:
+    """The combined stats log: earlier entries, then new ones (each once) in input-line order."""
+    seen = set(earlier.splitlines())
+    fresh = []
+    for blob in blobs:
+        for line in blob.splitlines():
+            if line.strip() and line not in seen:
+                seen.add(line)
+                try:
+                    fresh.append((int(json.loads(line).get("line") or 0), line))
+                except (ValueError, AttributeError):
+                    continue
+    fresh.sort(key=lambda item: item[0])
+    return [earlier] + [line + b"\n" for _, line in fresh]
+
+
+def combine_summaries(summaries: list[dict], files: _Files) -> BatchSummary:
+    """One summary for the job: sums over ranks, and each rank's own numbers."""
+    total = BatchSummary(input=files.input, output=files.output, model=summaries[0]["model"])
+    for name in ("rows", "ok", "failed", "skipped", "tokens_seen", "tokens_kept", "generated_tokens"):
+        setattr(total, name, sum(s[name] for s in summaries))
+    oks = [(s["ok"], s) for s in summaries if s["ok"]]
+    if oks:
+        total.compression_mean = sum(n * s["compression_mean"] for n, s in oks) / sum(n for n, _ in oks)
+        total.compression_min = min(s["compression_min"] for _, s in oks)
+        total.compression_max = max(s["compression_max"] for _, s in oks)
+    total.wall_s = max(s["wall_s"] for s in summaries)
+    if total.wall_s > 0:
+        total.tokens_per_s = total.tokens_seen / total.wall_s
+        total.generated_tokens_per_s = total.generated_tokens / total.wall_s
+    for s in summaries:
+        for kind, n in s["errors"].items():
+            total.errors[kind] = total.errors.get(kind, 0) + n
+    total.ranks = [{k: s[k] for k in ("rows", "ok", "failed", "skipped", "tokens_seen", "generated_tokens",
+                                      "wall_s", "generated_tokens_per_s")} for s in summaries]
+    return total
 
 
 def _open_writer(path: str, fresh: bool, stdout: Optional[BinaryIO]) -> rec.RecordWriter:
@@ -533,25 +783,28 @@ def _open_writer(path: str, fresh: bool, stdout: Optional[BinaryIO]) -> rec.Reco
         raise BatchUsageError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def _scan_rows(stream: BinaryIO, ctx: _Context) -> tuple[dict[str, Optional[str]], int]:
+def _scan_rows(stream: BinaryIO, ctx: _Context, group: Group) -> tuple[dict[str, Optional[str]], int]:
     """Every input row's id -> the fingerprint its record would carry, and the
-    number of rows the run will see (after --limit)."""
+    number of rows this process will see (after --limit, in its share)."""
     expected: dict[str, Optional[str]] = {}
     total = 0
-    for item in rec.read_rows(stream):
+    limit = ctx.options.limit
+    for n, item in enumerate(rec.read_rows(stream)):
         if isinstance(item, rec.Row):
             expected[item.key] = ctx.expected_fingerprint(item)
-        total += 1
+        if (limit is None or n < limit) and shard_of(n, group.size) == group.rank:
+            total += 1
     stream.seek(0)
-    limit = ctx.options.limit
-    return expected, total if limit is None else min(total, limit)
+    return expected, total
 
 
-def _items(stream: BinaryIO, limit: Optional[int]) -> Iterator[Any]:
+def _items(stream: BinaryIO, limit: Optional[int], group: Optional[Group] = None) -> Iterator[Any]:
+    """Input items (rows and row errors) up to ``limit``, this process's share only."""
     for n, item in enumerate(rec.read_rows(stream)):
         if limit is not None and n >= limit:
             return
-        yield item
+        if group is None or shard_of(n, group.size) == group.rank:
+            yield item
 
 
 class _Sink:
@@ -614,12 +867,14 @@ class _Sink:
             summary.generated_tokens_per_s = summary.generated_tokens / wall_s
 
 
-def _loop(stream, writer, stats, done, ctx: _Context, summary: BatchSummary, total, progress, signals) -> None:
+def _loop(stream, writer, stats, done, ctx: _Context, summary: BatchSummary, total, progress, signals,
+          group: Group) -> None:
     tic = time.perf_counter()
-    bar = tqdm(total=total, unit="row", file=sys.stderr, dynamic_ncols=True,
+    label = f"rank 0/{group.size}" if group.distributed else None
+    bar = tqdm(total=total, unit="row", file=sys.stderr, dynamic_ncols=True, desc=label,
                disable=not (progress and sys.stderr.isatty()))
     sink = _Sink(writer, stats, summary, bar)
-    items = _items(stream, ctx.options.limit)
+    items = _items(stream, ctx.options.limit, group)
     with bar:
         try:
             if ctx.options.batch_size == 1:

@@ -291,9 +291,14 @@ def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optio
     options = BatchOptions(model=settings["model"], eviction=eviction, generation=generation,
                            batch_size=settings["batch_size"], overwrite=overwrite, accept_old_records=accept_old_records, limit=settings.get("limit"),
                            stats_log=settings.get("stats_log"), summary_json=settings.get("summary_json"))
+    from .distributed import group as launch_group
+
+    job = launch_group()  # one process unless started by mlx.launch
     try:
-        summary = run_batch(settings["input"], settings.get("output"), options, progress=not quiet)
+        summary = run_batch(settings["input"], settings.get("output"), options, progress=not quiet, group=job)
     except BatchUsageError as e:
+        if job.rank:  # every rank reaches the same verdict; rank 0 says it
+            ctx.exit(EXIT_USAGE)
         raise UsageFailure(str(e)) from None
     except Interrupted:
         click.echo("knorm-batch: interrupted before any row ran; nothing was written", err=True)
@@ -305,10 +310,17 @@ def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optio
         ctx.exit(EXIT_INTERNAL_ERROR)
     if summary.pipe_closed:
         ctx.exit(summary.exit_code)  # the reader left: end quietly, as Unix tools do
+    if job.rank and not (summary.interrupted or summary.io_error):
+        # Rank 0 reports the job. A non-zero exit here would make mlx.launch stop the
+        # other ranks, rank 0 among them, while it may still be printing.
+        ctx.exit(0)
     click.echo(summary.text(), err=True)
     if summary.interrupted or summary.io_error:
         what = "interrupted" if summary.interrupted else "stopped"
-        if summary.output == "-":
+        if job.distributed:
+            click.echo(f"rank {job.rank}: {what}; every finished record is in its part file. Rerun the same "
+                       "mlx.launch command (without --overwrite) to resume", err=True)
+        elif summary.output == "-":
             click.echo(f"{what} after {summary.ok + summary.failed} rows; output went to stdout, so there is "
                        "nothing to resume", err=True)
         else:
