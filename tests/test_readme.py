@@ -24,6 +24,8 @@ def shell_lines(command):
     for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
         for line in block.splitlines():
             line = line.split("#")[0].strip()
+            if line.startswith("mlx.launch ") and f" -- {command} " in line:
+                line = line.split(" -- ", 1)[1]  # the command the launcher starts on every rank
             if line.startswith(command + " "):
                 lines.append(line)
     return lines
