@@ -5,8 +5,11 @@ layer and KV head this measures the Spearman correlation between a key's L2
 norm and the attention it receives from the last ``window`` queries (averaged
 over the query heads of its group), from one full-cache forward pass over real
 text. Eviction bets on what *later* queries will read, so keys inside that
-window (whose attention is mostly local) are left out. Negative = the paper's finding holds. Layers where it does not hold are
-suggested as ``skip_layers`` (kept uncompressed).
+window (whose attention is mostly local) are left out. Negative = the paper's finding holds.
+Full-attention layers where it does not hold are suggested as ``skip_layers``
+(kept uncompressed), and the report turns the table into advice: which layers
+to compress, or that the method does not suit the model. Sliding-window layers
+keep their own bounded cache and are not measured.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .corpus import text_of_tokens
 
@@ -28,43 +31,97 @@ DEFAULT_THRESHOLD = -0.1
 
 @dataclass
 class LayerSignal:
+    """One layer. ``kind`` is ``"full"`` (a full-attention layer, which the
+    eviction cache compresses) or ``"sliding"`` (a sliding-window layer, which
+    keeps its own bounded cache); sliding layers are not measured."""
+
     layer: int
-    rho_mean: float
-    rho_min: float
-    rho_max: float
+    kind: str
+    rho_mean: Optional[float]
+    rho_min: Optional[float]
+    rho_max: Optional[float]
     rho_heads: list[float]
+    norm_cv: Optional[float]  # std / mean of the key norms, averaged over KV heads
 
 
 @dataclass
 class ProbeReport:
-    """Per-layer Spearman correlations and the ``skip_layers`` they suggest."""
+    """Per-layer Spearman correlations, and the advice they support."""
 
     tokens: int
     threshold: float
     layers: list[LayerSignal] = field(default_factory=list)
 
     @property
+    def compressible(self) -> list[LayerSignal]:
+        return [s for s in self.layers if s.kind == "full"]
+
+    @property
     def suggested_skip_layers(self) -> list[int]:
-        """Layers whose mean correlation is above ``threshold`` (weak or wrong sign)."""
-        return [s.layer for s in self.layers if s.rho_mean > self.threshold]
+        """Full-attention layers whose mean correlation is above ``threshold`` (weak or wrong sign)."""
+        return [s.layer for s in self.compressible if s.rho_mean > self.threshold]
+
+    @property
+    def advice(self) -> str:
+        """What to do with this model, in one sentence a user can act on."""
+        full = self.compressible
+        good = [s.layer for s in full if s.rho_mean <= self.threshold]
+        if not full:
+            return "no full-attention layer: there is nothing for L2Norm eviction to compress"
+        if not good:
+            return ("the key-norm signal holds in none of the full-attention layers: L2Norm eviction does not suit "
+                    "this model; use keep='recent' (sinks + recent window) or the full cache")
+        skip = self.suggested_skip_layers
+        if len(good) * 2 < len(full):
+            return (f"the key-norm signal holds in only {len(good)} of {len(full)} full-attention layers "
+                    f"({_ranges(good)}): compress only those (--skip-layers {_ranges(skip)}), or prefer "
+                    "keep='recent'; then check retrieval on your own task")
+        if not skip:
+            return (f"the key-norm signal holds in all {len(full)} full-attention layers: every one can be "
+                    "compressed; check retrieval on your own task before trusting the early layers")
+        return (f"the key-norm signal holds in {len(good)} of {len(full)} full-attention layers; leave the others "
+                f"uncompressed: --skip-layers {_ranges(skip)}")
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["suggested_skip_layers"] = self.suggested_skip_layers
-        d["negative_layers"] = sum(s.rho_mean < 0 for s in self.layers)
+        d["negative_layers"] = sum(s.rho_mean < 0 for s in self.compressible)
+        d["full_layers"] = [s.layer for s in self.compressible]
+        d["advice"] = self.advice
         return d
 
     def format_table(self) -> str:
-        rows = ["layer  mean rho   min    max   heads"]
+        rows = ["layer  kind     mean rho   min    max   norm CV  heads"]
         for s in self.layers:
+            if s.kind != "full":
+                rows.append(f"{s.layer:5d}  {s.kind:7s}  (sliding window: kept as the model made it)")
+                continue
             mark = "  <- skip" if s.layer in self.suggested_skip_layers else ""
             heads = " ".join(f"{r:+.2f}" for r in s.rho_heads)
-            rows.append(f"{s.layer:5d}  {s.rho_mean:+.3f}  {s.rho_min:+.2f}  {s.rho_max:+.2f}   {heads}{mark}")
-        neg = sum(s.rho_mean < 0 for s in self.layers)
-        rows.append(f"negative mean correlation in {neg} of {len(self.layers)} layers "
+            rows.append(f"{s.layer:5d}  {s.kind:7s}  {s.rho_mean:+.3f}  {s.rho_min:+.2f}  {s.rho_max:+.2f}   "
+                        f"{s.norm_cv:5.3f}   {heads}{mark}")
+        full = self.compressible
+        neg = sum(s.rho_mean < 0 for s in full)
+        rows.append(f"negative mean correlation in {neg} of {len(full)} full-attention layers "
                     f"({self.tokens} tokens of pydoc text)")
         rows.append(f"suggested skip_layers (mean rho > {self.threshold:+.2f}): {self.suggested_skip_layers}")
+        rows.append(f"advice: {self.advice}")
         return "\n".join(rows)
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5' (the --skip-layers syntax)."""
+    if not layers:
+        return "none"
+    out, start, prev = [], layers[0], layers[0]
+    for x in layers[1:] + [None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(f"{start}-{prev}" if prev > start else str(start))
+        if x is not None:
+            start = prev = x
+    return ",".join(out)
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -145,13 +202,21 @@ def probe_model(
     if len(ids) <= n_sink + window + 2:
         raise ValueError(f"need more than {n_sink + window + 2} tokens to probe, got {len(ids)}")
     calls: list = []
+    caches = make_prompt_cache(model)
+    kinds = ["full" if type(c) is KVCache else "sliding" for c in caches]
     with _record_attention(model, calls):
-        model(mx.array(ids)[None], cache=make_prompt_cache(model))
+        model(mx.array(ids)[None], cache=caches)
     report = ProbeReport(tokens=len(ids), threshold=threshold)
-    for layer, (q, k, scale) in enumerate(calls):
-        rhos = layer_signal(np.array(q.astype(mx.float32)), np.array(k.astype(mx.float32)), scale, n_sink, window)
-        report.layers.append(LayerSignal(layer, float(np.mean(rhos)), float(np.min(rhos)), float(np.max(rhos)),
-                                         [round(r, 4) for r in rhos]))
+    for layer, ((q, k, scale), kind) in enumerate(zip(calls, kinds)):
+        if kind != "full":
+            report.layers.append(LayerSignal(layer, kind, None, None, None, [], None))
+            continue
+        keys = np.array(k.astype(mx.float32))
+        rhos = layer_signal(np.array(q.astype(mx.float32)), keys, scale, n_sink, window)
+        norms = np.linalg.norm(keys[0].astype(np.float64), axis=-1)  # (heads, tokens)
+        cv = float(np.mean(norms.std(axis=-1) / norms.mean(axis=-1)))
+        report.layers.append(LayerSignal(layer, kind, float(np.mean(rhos)), float(np.min(rhos)), float(np.max(rhos)),
+                                         [round(r, 4) for r in rhos], round(cv, 4)))
     return report
 
 

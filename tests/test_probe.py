@@ -88,3 +88,32 @@ def test_corpus_is_real_text_in_order():
 
     ids = text_of_tokens(CharTokenizer(), 500)
     assert len(ids) == 500 and "".join(map(chr, ids)) == (sections[0][1] + "\n\n")[:500]
+
+
+def report_of(rhos, kinds=None, threshold=-0.1):
+    from knorm_gen.probe import LayerSignal, ProbeReport
+
+    kinds = kinds or ["full"] * len(rhos)
+    layers = [LayerSignal(i, k, r if k == "full" else None, r, r, [r], 0.1) for i, (r, k) in enumerate(zip(rhos, kinds))]
+    return ProbeReport(tokens=512, threshold=threshold, layers=layers)
+
+
+def test_advice_follows_the_table():
+    assert "--skip-layers 0,3-4" in report_of([0.2, -0.3, -0.4, 0.0, -0.05, -0.5, -0.6]).advice
+    assert "does not suit this model" in report_of([0.1, 0.05, -0.02]).advice
+    few = report_of([-0.4, 0.1, 0.2, 0.0, 0.3])
+    assert "only 1 of 5" in few.advice and "--skip-layers 1-4" in few.advice
+    assert "all 3 full-attention layers" in report_of([-0.3, -0.2, -0.4]).advice
+    # sliding layers are neither measured nor suggested
+    mixed = report_of([0.5, -0.3, 0.5, -0.2], kinds=["sliding", "full", "sliding", "full"])
+    assert mixed.suggested_skip_layers == [] and [s.layer for s in mixed.compressible] == [1, 3]
+    assert mixed.to_dict()["full_layers"] == [1, 3]
+
+
+def test_probe_marks_sliding_layers_of_a_hybrid_model():
+    types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    model = tiny_llama(layers=4, layer_types=types, sliding_window=64)
+    report = probe_model(model, None, tokens=list(np.arange(300) % 97), window=64)
+    assert [s.kind for s in report.layers] == ["sliding", "full", "sliding", "full"]
+    assert report.layers[0].rho_mean is None and report.layers[1].rho_mean is not None
+    assert 0 < report.layers[1].norm_cv < 1
