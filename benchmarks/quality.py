@@ -1,20 +1,30 @@
-"""Quality side by side, one run: perplexity, passkey retrieval, summaries.
+"""Quality side by side, one run per model: perplexity, passkey retrieval, summaries.
 
-    python benchmarks/quality.py --task all            # full grid (long: see README)
-    python benchmarks/quality.py --task passkey --quick
+    python benchmarks/quality.py --model default --task all          # SmolLM2 (hours: see README)
+    python benchmarks/quality.py --model gemma-3-270m --task passkey
+    python benchmarks/quality.py --task passkey --quick              # smoke run
 
-Every arm holds the same token budget per compressed layer:
-  full            mlx_lm KVCache (the reference)
-  l2norm          L2NormKVCache keep-low, recent = budget // 8, layers 0-1 uncompressed
-  l2norm_r0       keep-low, no recent window, layers 0-1 uncompressed (the paper's setting)
-  l2norm_deep     like l2norm, but layers 0-8 uncompressed: the library default on
-                  the embedded model (retrieval breaks when layers 2-8 are compressed)
-  keep_high       the paper's ablation (keep the highest norms)
-  random          random scores, same machinery
-  streaming       sinks + most recent tokens (StreamingLLM), same machinery
-  rotating        mlx_lm RotatingKVCache(budget, keep=4) in every layer (max_kv_size)
-The other eviction arms leave layers 0-1 uncompressed; bytes are counted
-over all layers, so each arm's real compression ratio is reported next to it.
+Every eviction arm holds the same token budget per compressed layer; bytes are
+counted over all layers, so each arm's real byte compression is reported beside it.
+  full        the model's own caches (the reference)
+  default     the library default, whatever it is when the benchmark runs
+  paper       keep-low, recent = budget // 8, layers 0-1 uncompressed (the paper's layers)
+  keep_high   the paper's ablation (keep the highest norms), layers 0-1 uncompressed
+  random      random scores, same machinery, layers 0-1 uncompressed
+  streaming   sinks + most recent tokens (StreamingLLM), same machinery, layers 0-1 uncompressed
+  rotating    mlx_lm RotatingKVCache(budget, keep=4) in every full-attention layer (max_kv_size)
+  probe       keep-low with the layers knorm-probe suggests uncompressed (computed at the start)
+  skip30      keep-low with the first 30% of layers uncompressed (the 0.1 default: KV grows there)
+  bounded_x8  keep-low in every full-attention layer; the first 30% get 8x the budget (a ceiling)
+  bounded_x4  the same with 4x
+Sliding-window layers (Gemma 3) keep their own caches in every arm.
+
+Passkey: a needle sentence in repetitive filler at depths 0.1-0.9, the question
+written as the start of the answer (completion style; the full cache found it far
+more often than with a chat turn or prose filler, see README). Each case's context
+is prefilled once with the full cache; every arm compresses a copy of it, which is
+what a one-block prefill through the arm keeps (attend first, evict after). The
+product path (the library's 512-token block prefill) runs for the default arm.
 """
 
 from __future__ import annotations
@@ -35,38 +45,80 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from knorm_gen import EvictionConfig, L2NormKVCache, cache_stats, make_eviction_cache
+from knorm_gen.batched import answer_questions
 from knorm_gen.cache import copy_caches
+from knorm_gen.config import default_skip_layers
 from knorm_gen.corpus import pydoc_sections, text_of_tokens
 from knorm_gen.generate import generate_with_eviction, split_question_prompts
 from knorm_gen.models import load_model
+from knorm_gen.probe import probe_model
 
 RESULTS = Path(__file__).parent / "results"
-ARMS = ("full", "l2norm", "l2norm_r0", "l2norm_deep", "keep_high", "random", "streaming", "rotating")
-DEEP_SKIP = tuple(range(9))
+ARMS = ("full", "default", "paper", "keep_high", "random", "streaming", "rotating", "probe", "skip30",
+        "bounded_x8", "bounded_x4")
+BOUNDED = ("default", "paper", "keep_high", "random", "streaming", "rotating", "bounded_x8", "bounded_x4")
 
 
-def arm_config(arm: str, budget: int) -> Optional[EvictionConfig]:
-    # "l2norm" is the paper's setting (layers 0 and 1 uncompressed); "l2norm_deep"
-    # leaves layers 0-8 uncompressed, which became the library default (30%).
-    kw = dict(budget=budget, n_sink=EvictionConfig().n_sink, skip_layers=(0, 1))
-    if arm == "l2norm":
-        return EvictionConfig(**kw)
-    if arm == "l2norm_r0":
-        return EvictionConfig(**{**kw, "recent": 0})
-    if arm == "l2norm_deep":
-        return EvictionConfig(**{**kw, "skip_layers": DEEP_SKIP})
-    if arm in ("keep_high", "random", "streaming"):
-        keep = {"keep_high": "high", "random": "random", "streaming": "recent"}[arm]
-        return EvictionConfig(**{**kw, "recent": 0, "keep": keep})
-    return None
+class Arms:
+    """Cache lists for every arm of one model."""
+
+    def __init__(self, model, probe_skip: list[int]):
+        self.model = model
+        self.n = len(model.layers)
+        self.full_layers = [i for i, c in enumerate(make_prompt_cache(model)) if type(c) is KVCache]
+        self.probe_skip = tuple(probe_skip)
+        self.early = default_skip_layers(self.n)
+
+    def config(self, arm: str, budget: int) -> Optional[EvictionConfig]:
+        paper = dict(budget=budget, skip_layers=(0, 1))
+        table = {
+            "default": EvictionConfig(budget=budget),
+            "paper": EvictionConfig(**paper),
+            "keep_high": EvictionConfig(**paper, recent=0, keep="high"),
+            "random": EvictionConfig(**paper, recent=0, keep="random"),
+            "streaming": EvictionConfig(**paper, recent=0, keep="recent"),
+            "probe": EvictionConfig(budget=budget, skip_layers=self.probe_skip),
+            "skip30": EvictionConfig(budget=budget, skip_layers=self.early),
+            "bounded_x8": EvictionConfig(budget=budget, skip_layers=(), layer_budgets={i: 8 * budget for i in self.early}),
+            "bounded_x4": EvictionConfig(budget=budget, skip_layers=(), layer_budgets={i: 4 * budget for i in self.early}),
+        }
+        return table.get(arm)
+
+    def caches(self, arm: str, budget: int) -> list:
+        if arm == "full":
+            return make_prompt_cache(self.model)
+        if arm == "rotating":
+            return [RotatingKVCache(max_size=budget, keep=4) if i in self.full_layers else c
+                    for i, c in enumerate(make_prompt_cache(self.model))]
+        return make_eviction_cache(self.model, self.config(arm, budget))
 
 
-def make_arm(model, arm: str, budget: int) -> list:
+def compress_from_full(arms: Arms, full: list, arm: str, budget: int) -> list:
+    """The arm's caches after one block holding everything in ``full`` (attend
+    first, evict after: the same as a one-block prefill through the arm)."""
     if arm == "full":
-        return make_prompt_cache(model)
-    if arm == "rotating":
-        return [RotatingKVCache(max_size=budget, keep=4) for _ in model.layers]
-    return make_eviction_cache(model, arm_config(arm, budget))
+        return copy_caches(full)
+    out = []
+    for i, (f, a) in enumerate(zip(full, arms.caches(arm, budget))):
+        if isinstance(a, L2NormKVCache) or (isinstance(a, RotatingKVCache) and i in arms.full_layers):
+            a.update_and_fetch(f.keys[..., : f.offset, :], f.values[..., : f.offset, :])
+            out.append(a)
+        else:
+            out.append(copy_caches([f])[0])
+    mx.eval([c.state for c in out])
+    return out
+
+
+def _prefill(model, ids: list[int], caches: list, step: int = 512) -> list:
+    for s in range(0, len(ids), step):
+        model(mx.array(ids[s : s + step])[None], cache=caches)
+        mx.eval([c.state for c in caches])
+    return caches
+
+
+def _answer(model, tok, ids: list[int], caches: list, max_tokens: int = 8) -> str:
+    return "".join(r.text for r in stream_generate(model, tok, mx.array(ids), max_tokens=max_tokens,
+                                                   prompt_cache=caches))
 
 
 # ---------------------------------------------------------------- perplexity
@@ -85,50 +137,46 @@ def perplexity(model, ids: list[int], caches: list, block: int) -> float:
     return math.exp(nll / count)
 
 
-def task_ppl(model, tok, grid: dict, arms, n_docs, block, log) -> dict:
-    """``grid`` maps a length in tokens to the budgets run at that length."""
+def task_ppl(model, tok, arms: Arms, grid: dict, arm_names, n_docs: int, log) -> dict:
+    """``grid`` maps a length to the budgets run there; documents are pydoc prose
+    (sections joined), each length's documents start at different sections."""
     rows = []
-    lengths = list(grid)
-    for length in lengths:
-        budgets = grid[length]
-        docs = [text_of_tokens(tok, length, skip=i * 3) for i in range(n_docs if length <= 1024 else 1)]
-        for d, ids in enumerate(docs):
-            full = perplexity(model, ids, make_arm(model, "full", 0), block)
-            rows.append(dict(length=length, doc=d, arm="full", budget=None, ppl=full, compression=1.0))
+    for length, budgets in grid.items():
+        block = 32 if length <= 1024 else 64
+        for d in range(n_docs):
+            ids = text_of_tokens(tok, length, skip=d * 7)
+            full = perplexity(model, ids, arms.caches("full", 0), block)
+            rows.append(dict(length=length, doc=d, arm="full", budget=None, ppl=full, compression=1.0, block=block))
             for budget in budgets:
-                if budget >= length:
-                    continue
-                for arm in arms:
+                for arm in arm_names:
                     if arm == "full":
                         continue
-                    caches = make_arm(model, arm, budget)
+                    caches = arms.caches(arm, budget)
                     p = perplexity(model, ids, caches, block)
                     ratio = cache_stats(caches).compression_ratio
-                    rows.append(dict(length=length, doc=d, arm=arm, budget=budget, ppl=p, compression=ratio))
-                    log(f"ppl len={length} doc={d} budget={budget} {arm:14s} {p:8.2f} (full {full:.2f}, {ratio:.2f}x)")
+                    rows.append(dict(length=length, doc=d, arm=arm, budget=budget, ppl=p, compression=ratio,
+                                     block=block))
+                    log(f"ppl len={length} doc={d} budget={budget} {arm:11s} {p:8.2f} (full {full:.2f}, {ratio:.2f}x)")
     summary = []
-    for length in lengths:
+    for length, budgets in grid.items():
         fulls = [r["ppl"] for r in rows if r["length"] == length and r["arm"] == "full"]
-        for budget in grid[length]:
-            for arm in arms:
-                if arm == "full":
-                    continue
+        for budget in budgets:
+            for arm in arm_names:
                 sel = [r for r in rows if r["length"] == length and r["arm"] == arm and r["budget"] == budget]
-                if not sel:
+                if arm == "full" or not sel:
                     continue
                 ppl = float(np.exp(np.mean([np.log(r["ppl"]) for r in sel])))
                 full = float(np.exp(np.mean(np.log(fulls))))
                 summary.append(dict(length=length, budget=budget, arm=arm, ppl=ppl, full_ppl=full,
-                                    vs_full_pct=100 * (ppl / full - 1),
+                                    vs_full_pct=100 * (ppl / full - 1), docs=len(sel),
                                     compression=float(np.mean([r["compression"] for r in sel]))))
-    return {"block": block, "docs": n_docs, "docs_note": "lengths above 1024 use one document", "grid": {str(k): v for k, v in grid.items()}, "rows": rows,
-            "summary": summary}
+    return {"docs": n_docs, "grid": {str(k): v for k, v in grid.items()}, "rows": rows, "summary": summary}
 
 
 # ---------------------------------------------------------------- passkey
-QUESTION = "What is the pass key?"
-ANSWER_PREFIX = "The pass key is"  # the assistant turn starts with it, so the digits come first
+QUESTION = "What is the pass key? The pass key is"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+INTRO = "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
 
 
 def passkey_context(tok, n_tokens: int, depth: float, key: str) -> str:
@@ -137,45 +185,19 @@ def passkey_context(tok, n_tokens: int, depth: float, key: str) -> str:
     reps = max(1, n_tokens // per)
     at = int(reps * depth)
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-    return "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. " + (
-        FILLER * at + needle + FILLER * (reps - at))
+    return INTRO + FILLER * at + needle + FILLER * (reps - at)
 
 
-def _full_prefill(model, ids: list[int], step: int = 512) -> list:
-    return _prefill(model, ids, make_prompt_cache(model), step)
-
-
-def _prefill(model, ids: list[int], caches: list, step: int = 512) -> list:
-    """Feed ``ids`` through ``caches`` in blocks of ``step`` tokens."""
-    for s in range(0, len(ids), step):
-        model(mx.array(ids[s : s + step])[None], cache=caches)
-        mx.eval([c.state for c in caches])
-    return caches
-
-
-def compress_from_full(model, full: list, arm: str, budget: int) -> list:
-    """The arm's caches after one block holding everything in ``full`` (attend
-    first, evict after: the same as a one-block prefill through the arm)."""
-    if arm == "full":
-        return copy_caches(full)
-    out = []
-    for f, a in zip(full, make_arm(model, arm, budget)):
-        if isinstance(a, (L2NormKVCache, RotatingKVCache)):
-            a.update_and_fetch(f.keys[..., : f.offset, :], f.values[..., : f.offset, :])
-            out.append(a)
-        else:
-            out.append(copy_caches([f])[0])
-    mx.eval([c.state for c in out])
-    return out
-
-
-def _answer(model, tok, ids: list[int], caches: list, max_tokens: int = 8) -> str:
-    return "".join(r.text for r in stream_generate(model, tok, mx.array(ids), max_tokens=max_tokens,
-                                                   prompt_cache=caches))
-
-
-def task_passkey(model, tok, lengths, depths, n_keys, ratios, arms, log, blocked_arms=(), blocked_ratios=(4,),
-                 blocked_max_length=2048) -> dict:
+def task_passkey(model, tok, arms: Arms, lengths, depths, n_keys, ratios, arm_names, log, fixed_budgets=(),
+                 fixed_arms=(), product_arms=("default",), product_ratios=(4, None), product_max_length=4096,
+                 full_only=()) -> dict:
+    """Per case: one full prefill of the context (and of context + question);
+    every arm compresses copies. Modes: ``ctq`` (context compressed, question and
+    answer kept), ``whole`` (question compressed too, answer under eviction), and
+    the product path through the library (``ctq_product``: ``answer_questions``;
+    ``whole_product``: ``generate_with_eviction``), both with 512-token blocks, for
+    ``product_arms`` at ``product_ratios`` (None: the fixed budgets) up to
+    ``product_max_length`` tokens (each is a prefill of its own)."""
     rng = random.Random(0)
     rows = []
     for length in lengths:
@@ -183,47 +205,58 @@ def task_passkey(model, tok, lengths, depths, n_keys, ratios, arms, log, blocked
             for _ in range(n_keys):
                 key = str(rng.randint(10000, 99999))
                 context = passkey_context(tok, length, depth, key)
-                prefix_ids, (q_ids,) = split_question_prompts(tok, context, [QUESTION], chat=True)
-                q_ids = q_ids + tok.encode(ANSWER_PREFIX, add_special_tokens=False)
+                prefix_ids, (q_ids,) = split_question_prompts(tok, context, [QUESTION], chat=False)
                 n_ctx = len(prefix_ids)
-                full_ctx = _full_prefill(model, prefix_ids)
+                tic = time.perf_counter()
+                full_ctx = _prefill(model, prefix_ids, arms.caches("full", 0))
                 full_all = copy_caches(full_ctx)
                 model(mx.array(q_ids[:-1])[None], cache=full_all)
                 mx.eval([c.state for c in full_all])
-                for ratio in ratios:
-                    budget = n_ctx // ratio
-                    for arm in arms:
-                        # context then question: context compressed, question and answer kept
-                        caches = compress_from_full(model, full_ctx, arm, budget)
+                prefill_s = time.perf_counter() - tic
+
+                def record(arm, budget, ratio, mode, text, compression):
+                    rows.append(dict(length=length, tokens=n_ctx, depth=depth, key=key, ratio=ratio, budget=budget,
+                                     arm=arm, mode=mode, ok=key in text, answer=text, compression=compression))
+
+                settings = [(r, n_ctx // r, arm_names) for r in ratios if length not in full_only]
+                settings += [(None, b, fixed_arms) for b in fixed_budgets if b < n_ctx and length not in full_only]
+                record("full", None, None, "ctq", _answer(model, tok, q_ids, copy_caches(full_ctx)), 1.0)
+                record("full", None, None, "whole", _answer(model, tok, q_ids[-1:], copy_caches(full_all)), 1.0)
+                for ratio, budget, names in settings:
+                    for arm in names:
+                        if arm == "full":
+                            continue
+                        caches = compress_from_full(arms, full_ctx, arm, budget)
                         for c in caches:
                             if isinstance(c, L2NormKVCache):
                                 c.pin()
-                        ctq = _answer(model, tok, q_ids, caches)
-                        # whole prompt compressed (question included), answer under eviction
-                        caches = compress_from_full(model, full_all, arm, budget)
-                        whole = _answer(model, tok, q_ids[-1:], caches)
-                        for mode, text in (("ctq", ctq), ("whole", whole)):
-                            rows.append(dict(length=length, tokens=n_ctx, depth=depth, key=key, ratio=ratio,
-                                             budget=budget, arm=arm, mode=mode, ok=key in text, answer=text))
-                        log(f"passkey len={n_ctx} depth={depth} {ratio}x {arm:14s} ctq={key in ctq} "
-                            f"whole={key in whole}")
-                    if ratio not in blocked_ratios or length > blocked_max_length:
+                        record(arm, budget, ratio, "ctq", _answer(model, tok, q_ids, caches),
+                               cache_stats(caches).compression_ratio)
+                        caches = compress_from_full(arms, full_all, arm, budget)
+                        text = _answer(model, tok, q_ids[-1:], caches)
+                        record(arm, budget, ratio, "whole", text, cache_stats(caches).compression_ratio)
+                    if length > product_max_length or ratio not in product_ratios:
                         continue
-                    for arm in blocked_arms:  # the product path: context prefilled in 512-token blocks
-                        caches = _prefill(model, prefix_ids, make_arm(model, arm, budget))
-                        for c in caches:
-                            if isinstance(c, L2NormKVCache):
-                                c.pin()
-                        text = _answer(model, tok, q_ids, caches)
-                        rows.append(dict(length=length, tokens=n_ctx, depth=depth, key=key, ratio=ratio,
-                                         budget=budget, arm=arm, mode="ctq_blocked", ok=key in text, answer=text))
-                        log(f"passkey len={n_ctx} depth={depth} {ratio}x {arm:14s} ctq_blocked={key in text}")
-    summary = []
-    for key_ in sorted({(r["length"], r["ratio"], r["arm"], r["mode"]) for r in rows}):
-        sel = [r for r in rows if (r["length"], r["ratio"], r["arm"], r["mode"]) == key_]
-        summary.append(dict(length=key_[0], ratio=key_[1], arm=key_[2], mode=key_[3],
-                            correct=sum(r["ok"] for r in sel), cases=len(sel)))
-    return {"rows": rows, "summary": summary}
+                    for arm in product_arms:
+                        config = arms.config(arm, budget)
+                        (r,) = answer_questions(model, tok, context, [QUESTION], eviction=config, max_tokens=8,
+                                                chat=False)
+                        record(arm, budget, ratio, "ctq_product", r.text, r.compression_ratio)
+                        r = generate_with_eviction(model, tok, context + "\n\n" + QUESTION, eviction=config,
+                                                   max_tokens=8, chat=False)
+                        record(arm, budget, ratio, "whole_product", r.text, r.compression_ratio)
+                ok = [r for r in rows if r["key"] == key]
+                log(f"passkey len={n_ctx} depth={depth} full prefill {prefill_s:.0f}s: "
+                    + " ".join(f"{r['arm']}/{r['ratio'] or r['budget']}/{r['mode']}={int(r['ok'])}" for r in ok[:6])
+                    + f" ... ({sum(r['ok'] for r in ok)}/{len(ok)} ok)")
+    groups: dict = {}
+    for r in rows:  # a row of the table: length, then a ratio or a fixed budget, arm, mode
+        groups.setdefault((r["length"], r["ratio"], None if r["ratio"] else r["budget"], r["arm"], r["mode"]),
+                          []).append(r)
+    summary = [dict(length=k[0], ratio=k[1], budget=k[2], arm=k[3], mode=k[4], correct=sum(r["ok"] for r in sel),
+                    cases=len(sel), compression=float(np.mean([r["compression"] for r in sel])))
+               for k, sel in sorted(groups.items(), key=lambda kv: str(kv[0]))]
+    return {"question": QUESTION, "rows": rows, "summary": summary}
 
 
 # ---------------------------------------------------------------- summaries
@@ -246,78 +279,95 @@ def rouge_l(candidate: str, reference: str) -> float:
     return 2 * p * r / (p + r)
 
 
-def task_summary(model, tok, n_docs, max_doc_tokens, budgets, arms, max_tokens, log, blocked=True) -> dict:
+def task_summary(model, tok, arms: Arms, n_docs, max_doc_tokens, budgets, arm_names, max_tokens, log) -> dict:
     docs = pydoc_sections(min_chars=6000)[:n_docs]
     rows = []
     for name, text in docs:
         ids = tok.encode(text, add_special_tokens=False)[:max_doc_tokens]
-        body = tok.decode(ids)
-        prompt = [{"role": "user", "content": "Summarize the following documentation in three sentences.\n\n" + body}]
+        prompt = [{"role": "user", "content": "Summarize the following documentation in three sentences.\n\n"
+                   + tok.decode(ids)}]
         prompt_ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        full = _full_prefill(model, prompt_ids[:-1])
+        full = _prefill(model, prompt_ids[:-1], arms.caches("full", 0))
         ref = _answer(model, tok, prompt_ids[-1:], copy_caches(full), max_tokens)
-        rows.append(dict(doc=name, tokens=len(prompt_ids), arm="full", budget=None, rouge_l=1.0, summary=ref))
+        rows.append(dict(doc=name, tokens=len(prompt_ids), arm="full", budget=None, rouge_l=1.0, compression=1.0,
+                         summary=ref))
         for budget in budgets:
-            for arm in arms:
+            for arm in arm_names:
                 if arm == "full":
                     continue
-                caches = compress_from_full(model, full, arm, budget)
+                caches = compress_from_full(arms, full, arm, budget)
                 out = _answer(model, tok, prompt_ids[-1:], caches, max_tokens)
                 score = rouge_l(out, ref)
                 rows.append(dict(doc=name, tokens=len(prompt_ids), arm=arm, budget=budget, rouge_l=score,
                                  compression=cache_stats(caches).compression_ratio, summary=out))
-                log(f"summary {name:16s} budget={budget} {arm:14s} ROUGE-L {score:.3f}")
-            if blocked:
-                r = generate_with_eviction(model, tok, prompt, budget=budget, max_tokens=max_tokens)
-                score = rouge_l(r.text, ref)
-                rows.append(dict(doc=name, tokens=len(prompt_ids), arm="l2norm_blocked", budget=budget,
-                                 rouge_l=score, compression=r.compression_ratio, summary=r.text))
-                log(f"summary {name:16s} budget={budget} l2norm_blocked ROUGE-L {score:.3f}")
+                log(f"summary {name:16s} budget={budget} {arm:11s} ROUGE-L {score:.3f}")
     summary = []
     for budget in budgets:
-        for arm in sorted({r["arm"] for r in rows if r["budget"] == budget}):
+        for arm in arm_names:
             s = [r["rouge_l"] for r in rows if r["arm"] == arm and r["budget"] == budget]
-            summary.append(dict(budget=budget, arm=arm, docs=len(s), mean=float(np.mean(s)),
-                                median=float(np.median(s)), min=float(np.min(s)), max=float(np.max(s))))
+            if s:
+                summary.append(dict(budget=budget, arm=arm, docs=len(s), mean=float(np.mean(s)),
+                                    median=float(np.median(s)), min=float(np.min(s)), max=float(np.max(s))))
     return {"max_doc_tokens": max_doc_tokens, "max_tokens": max_tokens, "rows": rows, "summary": summary}
+
+
+# ---------------------------------------------------------------- grids per model
+PLANS = {
+    # lengths where the full cache was calibrated (README): SmolLM2's trained context is 8k
+    "default": dict(passkey=[1024, 2048, 4096, 8192], ppl={1024: [256], 4096: [512, 1024], 8192: [1024, 2048]},
+                    summary=True),
+    "gemma-3-270m": dict(passkey=[2048, 4096, 8192, 16384], ppl={4096: [512, 1024], 8192: [1024, 2048]},
+                         summary=False),
+}
+QUICK = dict(passkey=[1024], ppl={512: [128]}, summary=True)
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--task", choices=["ppl", "passkey", "summary", "all"], default="all")
+    ap.add_argument("--task", default="all", help="ppl, passkey, summary, a comma-separated list, or all")
     ap.add_argument("--model", default="default")
     ap.add_argument("--quick", action="store_true", help="a small grid that finishes in a few minutes")
     ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--cases", type=int, default=2, help="keys per depth (5 depths): 2 gives 10 cases per row")
+    ap.add_argument("--full-only", default="", help="passkey lengths run with the full cache only")
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
-    arms = tuple(a for a in args.arms.split(",") if a)
-    unknown = set(arms) - set(ARMS)
+    arm_names = tuple(a for a in args.arms.split(",") if a)
+    unknown = set(arm_names) - set(ARMS)
     if unknown:
         ap.error(f"unknown arms {sorted(unknown)}; allowed: {', '.join(ARMS)}")
     model, tok = load_model(None if args.model == "default" else args.model)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     log = lambda msg: print(msg, flush=True)  # noqa: E731
-    meta = {"model": args.model, "quick": args.quick, "arms": list(arms), "runtime": knorm_gen.runtime_info(),
-            "defaults": EvictionConfig().to_dict()}
+    probe = probe_model(model, tok, n_tokens=512 if args.quick else 1024)
+    arms = Arms(model, probe.suggested_skip_layers)
+    plan = QUICK if args.quick else PLANS.get(args.model, PLANS["default"])
+    meta = {"model": args.model, "quick": args.quick, "arms": list(arm_names), "runtime": knorm_gen.runtime_info(),
+            "defaults": EvictionConfig().resolved(len(model.layers)).to_dict(),
+            "full_attention_layers": arms.full_layers, "probe_skip_layers": list(arms.probe_skip)}
     results = {}
-    tasks = ["ppl", "passkey", "summary"] if args.task == "all" else [args.task]
+    tasks = ["ppl", "passkey", "summary"] if args.task == "all" else args.task.split(",")
+    if set(tasks) - {"ppl", "passkey", "summary"}:
+        ap.error(f"unknown task in {args.task!r}")
+    slug = "" if args.model == "default" else "_" + re.sub(r"[^A-Za-z0-9]+", "-", args.model).strip("-")
     for task in tasks:
+        if task == "summary" and not plan["summary"]:
+            continue
         tic = time.perf_counter()
         if task == "ppl":
-            grid = {512: [128]} if args.quick else {1024: [128, 256, 512], 4096: [512]}
-            res = task_ppl(model, tok, grid, arms, 1 if args.quick else 2, 32, log)
+            res = task_ppl(model, tok, arms, plan["ppl"], arm_names, 1 if args.quick else 3, log)
         elif task == "passkey":
-            res = task_passkey(model, tok, [1024] if args.quick else [1024, 2048, 4096],
-                               [0.5] if args.quick else [0.1, 0.3, 0.5, 0.7, 0.9], 1,
-                               [4] if args.quick else [4, 8], arms, log,
-                               blocked_arms=() if args.quick else ("l2norm",))
+            full_only = [int(x) for x in args.full_only.split(",") if x]
+            res = task_passkey(model, tok, arms, plan["passkey"], [0.5] if args.quick else [0.1, 0.3, 0.5, 0.7, 0.9],
+                               1 if args.quick else args.cases, [4, 8], arm_names, log,
+                               fixed_budgets=() if args.quick else (512,),
+                               fixed_arms=("default", "skip30", "bounded_x8", "bounded_x4"), full_only=full_only)
         else:
-            res = task_summary(model, tok, 1 if args.quick else 8, 512 if args.quick else 1024,
-                               [128] if args.quick else [256], arms, 16 if args.quick else 48, log,
-                               blocked=not args.quick)
+            res = task_summary(model, tok, arms, 1 if args.quick else 8, 512 if args.quick else 1024,
+                               [128] if args.quick else [256], arm_names, 16 if args.quick else 48, log)
         res.update(meta, task=task, seconds=time.perf_counter() - tic)
-        path = out_dir / f"quality_{task}.json"
+        path = out_dir / f"quality_{task}{slug}.json"
         path.write_text(json.dumps(res, indent=1))
         log(f"wrote {path} ({res['seconds']:.0f} s)")
         results[task] = res

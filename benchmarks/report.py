@@ -12,8 +12,10 @@ import json
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-ARM_ORDER = ("full", "l2norm", "l2norm_r0", "l2norm_deep", "keep_high", "random", "streaming", "rotating",
-             "l2norm_blocked")
+ARM_ORDER = ("full", "default", "skip30", "bounded_x8", "bounded_x4", "paper", "probe", "keep_high", "random",
+             "streaming", "rotating")
+MODE_ORDER = ("ctq", "whole", "ctq_product", "whole_product")
+MODELS = (("", "SmolLM2-135M-Instruct (embedded default)"), ("_gemma-3-270m", "Gemma 3 270M (base)"))
 
 
 def _load(d: Path, name: str):
@@ -31,12 +33,12 @@ def speed_table(res: dict) -> str:
         for arm, r in ctx["arms"].items():
             lines.append(f"| {ctx['context']} | {arm} | {r['prefill_tps']:.1f} | {r['decode_tps']:.2f} | "
                          f"{r['peak_memory_gb']:.3f} | {r['kv_kept_bytes'] / 2**20:.1f} |")
-    lines += ["", "| context | decode l2norm / rotating | decode l2norm / full | decode l2norm_default / full | "
-              "eviction share of prefill |", "|---|---|---|---|---|"]
+    names = sorted({k for ctx in res["contexts"] for k in ctx["ratios"]})
+    lines += ["", "| context | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for ctx in res["contexts"]:
-        r = ctx["ratios"]
-        lines.append(f"| {ctx['context']} | {r['l2norm_vs_rotating_decode']:.2f} | {r['l2norm_vs_full_decode']:.2f} | "
-                     f"{r['l2norm_default_vs_full_decode']:.2f} | {100 * r['eviction_share_of_prefill']:.2f}% |")
+        cells = [f"{100 * ctx['ratios'][n]:.2f}%" if n.endswith("share_of_prefill") else f"{ctx['ratios'][n]:.2f}"
+                 for n in names]
+        lines.append(f"| {ctx['context']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -61,41 +63,109 @@ def ppl_table(res: dict) -> str:
         full = next(iter(cells.values()))["full_ppl"]
         row = [f"{cells[a]['ppl']:.2f} ({cells[a]['vs_full_pct']:+.0f}%)" if a in cells else "" for a in arms]
         lines.append(f"| {key[0]} | {key[1]} | {full:.2f} | " + " | ".join(row) + " |")
-    ratios = {}
-    for r in summ:
-        ratios.setdefault((r["length"], r["budget"]), {})[r["arm"]] = r["compression"]
-    lines += ["", "Byte compression ratio (all layers) per arm: " + "; ".join(
-        f"{k[0]} tokens, budget {k[1]}: " + ", ".join(f"{a} {v:.2f}x" for a, v in sorted(d.items()))
-        for k, d in sorted(ratios.items()))]
+    lines += ["", "Byte compression (all layers):", ""]
+    lines += ["| tokens | budget | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]
+    for key in sorted({(r["length"], r["budget"]) for r in summ}):
+        cells = {r["arm"]: r for r in summ if (r["length"], r["budget"]) == key}
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(
+            f"{cells[a]['compression']:.2f}x" if a in cells else "" for a in arms) + " |")
+    lines.append(f"\n{res['docs']} documents per length; the table gives the geometric mean.")
     return "\n".join(lines)
 
 
 def passkey_table(res: dict) -> str:
     summ = res["summary"]
-    arms = _arms({r["arm"] for r in summ})
-    lines = ["| tokens | ratio | mode | " + " | ".join(arms) + " |", "|---|---|---|" + "---|" * len(arms)]
-    for key in sorted({(r["length"], r["ratio"], r["mode"]) for r in summ}):
-        cells = {r["arm"]: r for r in summ if (r["length"], r["ratio"], r["mode"]) == key}
-        row = [f"{cells[a]['correct']}/{cells[a]['cases']}" if a in cells else "" for a in arms]
-        lines.append(f"| {key[0]} | {key[1]}x | {key[2]} | " + " | ".join(row) + " |")
+    full = {(r["length"], r["mode"]): r for r in summ if r["arm"] == "full"}
+    lengths = sorted({r["length"] for r in summ})
+    lines = ["Full cache (the reference): " + "; ".join(
+        f"{n} tokens {full[(n, 'ctq')]['correct']}/{full[(n, 'ctq')]['cases']} (ctq), "
+        f"{full[(n, 'whole')]['correct']}/{full[(n, 'whole')]['cases']} (whole)"
+        for n in lengths if (n, "ctq") in full), ""]
+    ratio_rows = [r for r in summ if r["ratio"] is not None]
+    if ratio_rows:
+        arms = _arms({r["arm"] for r in ratio_rows})
+        lines += ["| tokens | ratio | mode | full | " + " | ".join(arms) + " |",
+                  "|---|---|---|---|" + "---|" * len(arms)]
+        for length, ratio in sorted({(r["length"], r["ratio"]) for r in ratio_rows}):
+            for mode in MODE_ORDER:
+                cells = {r["arm"]: r for r in ratio_rows if (r["length"], r["ratio"], r["mode"]) == (length, ratio, mode)}
+                if not cells:
+                    continue
+                ref = full.get((length, mode.replace("_product", "")))
+                lines.append(f"| {length} | {ratio}x | {mode} | {ref['correct']}/{ref['cases']} | " + " | ".join(
+                    f"{cells[a]['correct']}/{cells[a]['cases']}" if a in cells else "" for a in arms) + " |")
+        lines += ["", "Byte compression at each ratio (all layers, ctq): " + "; ".join(
+            f"{length} tokens {ratio}x: " + ", ".join(
+                f"{r['arm']} {r['compression']:.2f}x" for r in sorted(
+                    (r for r in ratio_rows if (r["length"], r["ratio"], r["mode"]) == (length, ratio, "ctq")),
+                    key=lambda r: _arms([r["arm"]])[0]))
+            for length, ratio in sorted({(r["length"], r["ratio"]) for r in ratio_rows}))]
+    fixed = [r for r in summ if r["ratio"] is None and r["arm"] != "full"]
+    if fixed:
+        arms = _arms({r["arm"] for r in fixed})
+        lines += ["", "At a fixed budget:", "",
+                  "| tokens | budget | mode | full | " + " | ".join(f"{a} (bytes)" for a in arms) + " |",
+                  "|---|---|---|---|" + "---|" * len(arms)]
+        for length, budget in sorted({(r["length"], r["budget"]) for r in fixed}):
+            for mode in MODE_ORDER:
+                cells = {r["arm"]: r for r in fixed if (r["length"], r["budget"], r["mode"]) == (length, budget, mode)}
+                if not cells:
+                    continue
+                ref = full.get((length, mode.replace("_product", "")))
+                lines.append(f"| {length} | {budget} | {mode} | {ref['correct']}/{ref['cases']} | " + " | ".join(
+                    f"{cells[a]['correct']}/{cells[a]['cases']} ({cells[a]['compression']:.2f}x)" if a in cells else ""
+                    for a in arms) + " |")
     return "\n".join(lines)
 
 
 def summary_table(res: dict) -> str:
     lines = ["| budget | arm | docs | ROUGE-L mean | median | min | max |", "|---|---|---|---|---|---|---|"]
-    for r in sorted(res["summary"], key=lambda r: (r["budget"], ARM_ORDER.index(r["arm"]) if r["arm"] in ARM_ORDER else 99)):
+    order = {a: i for i, a in enumerate(ARM_ORDER)}
+    for r in sorted(res["summary"], key=lambda r: (r["budget"], order.get(r["arm"], 99))):
         lines.append(f"| {r['budget']} | {r['arm']} | {r['docs']} | {r['mean']:.3f} | {r['median']:.3f} | "
                      f"{r['min']:.3f} | {r['max']:.3f} |")
     return "\n".join(lines)
 
 
 def probe_table(res: dict) -> str:
-    lines = ["| layer | mean rho | min | max |", "|---|---|---|---|"]
+    lines = ["| layer | kind | mean rho | min | max | key-norm CV |", "|---|---|---|---|---|---|"]
     for s in res["layers"]:
-        lines.append(f"| {s['layer']} | {s['rho_mean']:+.3f} | {s['rho_min']:+.2f} | {s['rho_max']:+.2f} |")
+        if s["kind"] != "full":
+            continue
+        lines.append(f"| {s['layer']} | {s['kind']} | {s['rho_mean']:+.3f} | {s['rho_min']:+.2f} | "
+                     f"{s['rho_max']:+.2f} | {s['norm_cv']:.3f} |")
+    sliding = [s["layer"] for s in res["layers"] if s["kind"] != "full"]
     lines.append("")
-    lines.append(f"Negative mean correlation in {res['negative_layers']} of {len(res['layers'])} layers; "
-                 f"suggested skip_layers (mean rho > {res['threshold']:+.2f}): {res['suggested_skip_layers']}")
+    if sliding:
+        lines.append(f"Sliding-window layers (not measured, never compressed): {sliding}.")
+    lines.append(f"Negative mean correlation in {res['negative_layers']} of {len(res['full_layers'])} full-attention "
+                 f"layers; suggested skip_layers (mean rho > {res['threshold']:+.2f}): {res['suggested_skip_layers']}.")
+    lines.append(f"Advice: {res['advice']}")
+    return "\n".join(lines)
+
+
+def batch_table(res: dict) -> str:
+    lines = []
+    for w in res["workloads"]:
+        lines += [f"**{w['workload']}** ({len(w['prompt_tokens'])} rows, {min(w['prompt_tokens'])}-"
+                  f"{max(w['prompt_tokens'])} prompt tokens, up to {w['max_tokens']} new tokens)", "",
+                  "| arm | wall s | rows/hour | generated tok/s | peak GB | KV per row, max MiB |",
+                  "|---|---|---|---|---|---|"]
+        for a in w["arms"]:
+            lines.append(f"| {a['arm']} | {a['wall_s']:.1f} | {a['rows_per_hour']:.0f} | {a['tokens_per_s']:.2f} | "
+                         f"{a['peak_memory_gb']:.3f} | {a['kv_bytes_max'] / 2**20:.1f} |")
+        lines += ["", "; ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in w["ratios"].items()), ""]
+    return "\n".join(lines)
+
+
+def distributed_table(res: dict) -> str:
+    lines = ["| processes | wall s | rows/hour | generated tok/s | serial s | serial share |", "|---|---|---|---|---|---|"]
+    for a in res["arms"]:
+        lines.append(f"| {a['processes']} | {a['wall_s']:.1f} | {a['rows_per_hour']:.0f} | "
+                     f"{a['generated_tokens_per_s']:.2f} | {a['serial_s']:.1f} | {a['serial_s'] / a['wall_s']:.2f} |")
+    lines += ["", f"Speedup 2 vs 1 process: {res['speedup_2_vs_1']:.2f}. Records identical between the two: "
+              f"{res['records_equal_default_batch']}/{res['rows']} at the default batch size, "
+              f"{'all' if res['records_equal_batch1'] else 'not all'} at --batch-size 1."]
     return "\n".join(lines)
 
 
@@ -108,52 +178,49 @@ def plots(d: Path) -> list[str]:
     except ImportError:
         return []
     made = []
-    ppl = _load(d, "quality_ppl.json")
-    if ppl:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        length = min(r["length"] for r in ppl["summary"])
-        for arm in _arms({r["arm"] for r in ppl["summary"]}):
-            pts = sorted((r["budget"], r["vs_full_pct"]) for r in ppl["summary"] if r["arm"] == arm and r["length"] == length)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=arm)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("budget (tokens per compressed layer)")
-        ax.set_ylabel("perplexity vs full cache (%)")
-        ax.set_title(f"Generation-mode perplexity, {length} tokens")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(d / "ppl.png", dpi=110)
-        made.append("ppl.png")
-    pk = _load(d, "quality_passkey.json")
-    if pk:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        keys = sorted({(r["length"], r["ratio"]) for r in pk["summary"] if r["mode"] == "ctq"})
-        arms = _arms({r["arm"] for r in pk["summary"] if r["mode"] == "ctq"})
-        width = 0.8 / max(1, len(arms))
-        for i, arm in enumerate(arms):
-            vals = []
-            for k in keys:
-                sel = [r for r in pk["summary"] if (r["length"], r["ratio"]) == k and r["arm"] == arm and r["mode"] == "ctq"]
-                vals.append(sel[0]["correct"] / sel[0]["cases"] if sel else 0)
-            ax.bar([j + i * width for j in range(len(keys))], vals, width, label=arm)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))])
-        ax.set_xticklabels([f"{k[0]} tok\n{k[1]}x" for k in keys], fontsize=7)
-        ax.set_ylabel("passkey accuracy (context then question)")
-        ax.legend(fontsize=6, ncol=2)
-        fig.tight_layout()
-        fig.savefig(d / "passkey.png", dpi=110)
-        made.append("passkey.png")
-    sm = _load(d, "quality_summary.json")
-    if sm:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        arms = [a for a in _arms({r["arm"] for r in sm["rows"]}) if a != "full"]
-        ax.boxplot([[r["rouge_l"] for r in sm["rows"] if r["arm"] == a] for a in arms])
-        ax.set_xticks(range(1, len(arms) + 1))
-        ax.set_xticklabels(arms, rotation=30, fontsize=7)
-        ax.set_ylabel("ROUGE-L vs full-cache summary")
-        fig.tight_layout()
-        fig.savefig(d / "summaries.png", dpi=110)
-        made.append("summaries.png")
+    for suffix, title in MODELS:
+        pk = _load(d, f"quality_passkey{suffix}.json")
+        if pk:
+            rows = [r for r in pk["summary"] if r["ratio"] is not None and r["mode"] == "ctq"]
+            keys = sorted({(r["length"], r["ratio"]) for r in rows})
+            arms = _arms({r["arm"] for r in rows})
+            full = {r["length"]: r for r in pk["summary"] if r["arm"] == "full" and r["mode"] == "ctq"}
+            fig, ax = plt.subplots(figsize=(8, 4))
+            width = 0.8 / max(1, len(arms) + 1)
+            for i, arm in enumerate(["full", *arms]):
+                vals = []
+                for k in keys:
+                    sel = [full[k[0]]] if arm == "full" else [r for r in rows if (r["length"], r["ratio"]) == k and r["arm"] == arm]
+                    vals.append(sel[0]["correct"] / sel[0]["cases"] if sel else 0)
+                ax.bar([j + i * width for j in range(len(keys))], vals, width, label=arm)
+            ax.set_xticks([j + 0.4 for j in range(len(keys))])
+            ax.set_xticklabels([f"{k[0]} tok\n{k[1]}x" for k in keys], fontsize=7)
+            ax.set_ylabel("passkey accuracy (context then question)")
+            ax.set_title(title, fontsize=9)
+            ax.legend(fontsize=6, ncol=3)
+            fig.tight_layout()
+            name = f"passkey{suffix}.png"
+            fig.savefig(d / name, dpi=110)
+            made.append(name)
+        ppl = _load(d, f"quality_ppl{suffix}.json")
+        if ppl:
+            fig, ax = plt.subplots(figsize=(7, 4))
+            keys = sorted({(r["length"], r["budget"]) for r in ppl["summary"]})
+            arms = _arms({r["arm"] for r in ppl["summary"]})
+            width = 0.8 / max(1, len(arms))
+            for i, arm in enumerate(arms):
+                vals = [next((r["vs_full_pct"] for r in ppl["summary"] if (r["length"], r["budget"]) == k
+                              and r["arm"] == arm), 0) for k in keys]
+                ax.bar([j + i * width for j in range(len(keys))], vals, width, label=arm)
+            ax.set_xticks([j + 0.4 for j in range(len(keys))])
+            ax.set_xticklabels([f"{k[0]} tok\nbudget {k[1]}" for k in keys], fontsize=7)
+            ax.set_ylabel("perplexity vs full cache (%)")
+            ax.set_title(title, fontsize=9)
+            ax.legend(fontsize=6, ncol=3)
+            fig.tight_layout()
+            name = f"ppl{suffix}.png"
+            fig.savefig(d / name, dpi=110)
+            made.append(name)
     sp = _load(d, "cache_speed.json")
     if sp:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -166,6 +233,19 @@ def plots(d: Path) -> list[str]:
         fig.tight_layout()
         fig.savefig(d / "speed.png", dpi=110)
         made.append("speed.png")
+    bt = _load(d, "batch.json")
+    if bt:
+        fig, axes = plt.subplots(1, len(bt["workloads"]), figsize=(9, 3.5))
+        for ax, w in zip(axes, bt["workloads"]):
+            names = [a["arm"] for a in w["arms"]]
+            ax.bar(names, [a["tokens_per_s"] for a in w["arms"]],
+                   color=["tab:blue" if n.startswith("ours") else "tab:gray" for n in names])
+            ax.set_title(w["workload"], fontsize=9)
+            ax.set_ylabel("generated tokens/s")
+            ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+        fig.tight_layout()
+        fig.savefig(d / "batch.png", dpi=110)
+        made.append("batch.png")
     plt.close("all")
     return made
 
@@ -175,14 +255,17 @@ def main(argv=None) -> str:
     ap.add_argument("--results-dir", default=str(RESULTS))
     d = Path(ap.parse_args(argv).results_dir)
     parts = []
-    for title, name, fn in (
-        ("Speed and memory", "cache_speed.json", speed_table),
-        ("Runtime (BLAS and float32)", "runtime.json", runtime_table),
-        ("Perplexity (generation mode)", "quality_ppl.json", ppl_table),
-        ("Passkey retrieval", "quality_passkey.json", passkey_table),
-        ("Summaries (ROUGE-L vs the full-cache summary)", "quality_summary.json", summary_table),
-        ("Key norm vs attention (knorm-probe)", "probe.json", probe_table),
-    ):
+    sections = [("Speed and memory", "cache_speed.json", speed_table),
+                ("Batched generation", "batch.json", batch_table),
+                ("More than one process", "distributed.json", distributed_table),
+                ("Runtime (BLAS and float32)", "runtime.json", runtime_table)]
+    for suffix, title in MODELS:
+        sections += [(f"Perplexity (generation mode), {title}", f"quality_ppl{suffix}.json", ppl_table),
+                     (f"Passkey retrieval, {title}", f"quality_passkey{suffix}.json", passkey_table),
+                     (f"Summaries (ROUGE-L vs the full-cache summary), {title}", f"quality_summary{suffix}.json",
+                      summary_table),
+                     (f"Key norm vs attention (knorm-probe), {title}", f"probe{suffix}.json", probe_table)]
+    for title, name, fn in sections:
         res = _load(d, name)
         if res:
             parts.append(f"### {title}\n\n{fn(res)}\n")
