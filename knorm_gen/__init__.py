@@ -7,8 +7,10 @@ _preload_blas()
 
 from .cache import (  # noqa: E402
     CacheStats,
+    KVMemory,
     L2NormKVCache,
     cache_stats,
+    kv_memory,
     make_eviction_cache,
 )
 from .config import KEEP_MODES, EvictionConfig, GenerationConfig  # noqa: E402
@@ -43,6 +45,8 @@ __all__ = [
     "load_model",
     "stream_with_eviction",
     "cache_stats",
+    "kv_memory",
+    "KVMemory",
     "make_eviction_cache",
     "runtime_info",
     "__version__",

@@ -40,6 +40,7 @@ from .files import (
     repair_torn_tail,
     rewrite_atomically,
 )
+from .cache import kv_memory
 from .config import EvictionConfig, GenerationConfig, make_configs
 from .distributed import Group, local_parts, part_path, shard_of
 
@@ -53,7 +54,8 @@ EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for a writer whose
 
 STATS_FIELDS = (
     "finish_reason", "prompt_tokens", "generated_tokens", "tokens_seen", "tokens_kept", "compression_ratio",
-    "kept_bytes", "full_bytes", "prefill_s", "decode_s", "prompt_tps", "generation_tps", "peak_memory_gb",
+    "kept_bytes", "full_bytes", "kv_ceiling_bytes", "prefill_s", "decode_s", "prompt_tps", "generation_tps",
+    "peak_memory_gb",
 )
 RECORD_FIELDS = ("id", "completion", "answers", *STATS_FIELDS, "model", "config", "meta", "fingerprint", "error")
 ANSWER_FIELDS = ("question", "answer", "finish_reason", "prompt_tokens", "generated_tokens", "tokens_seen",
@@ -114,6 +116,9 @@ class BatchSummary:
     pipe_closed: bool = False
     errors: dict = field(default_factory=dict)  # error type -> count
     ranks: list = field(default_factory=list)  # a distributed run: each rank's own numbers
+    kv_ceiling_bytes: Optional[int] = None  # per row, for the run's settings; None: no ceiling
+    kv_growth_bytes_per_token: int = 0  # what each token adds in layers that keep every token
+    kv_memory: str = ""  # the same, in words
 
     @property
     def exit_code(self) -> int:
@@ -139,6 +144,8 @@ class BatchSummary:
                          f"(min {self.compression_min:.2f}x, max {self.compression_max:.2f}x)")
         lines.append(f"  wall {self.wall_s:.1f} s; {self.tokens_per_s:.1f} tokens/s processed, "
                      f"{self.generated_tokens_per_s:.1f} tokens/s generated")
+        if self.kv_memory:
+            lines.append(f"  {self.kv_memory}")
         for r, numbers in enumerate(self.ranks):
             lines.append(f"  rank {r}: {numbers['rows']} rows ({numbers['ok']} ok, {numbers['failed']} failed, "
                          f"{numbers['skipped']} skipped), {numbers['generated_tokens']} tokens generated, "
@@ -318,6 +325,7 @@ def _question_numbers(results: Sequence[Any]) -> dict:
         "compression_ratio": peak.compression_ratio,
         "kept_bytes": peak.kept_bytes,
         "full_bytes": peak.full_bytes,
+        "kv_ceiling_bytes": peak.kv_ceiling_bytes,
         "prefill_s": prefill_s,
         "decode_s": decode_s,
         "prompt_tps": peak.prompt_tps,
@@ -539,6 +547,7 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
             except ValueError as e:
                 raise BatchUsageError(str(e)) from None
             ctx = _Context(options, model, tokenizer, eviction, record_config(eviction, options.generation))
+            memory = kv_memory(model, eviction)
             expected, total = _scan_rows(stream, ctx, group)
         except KeyboardInterrupt:
             error = Interrupted()
@@ -564,7 +573,11 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
             if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
                 raise Interrupted from None
             raise
-        summary = BatchSummary(input=files.input, output=files.output, model=options.model)
+        summary = BatchSummary(input=files.input, output=files.output, model=options.model,
+                               kv_ceiling_bytes=memory.ceiling_bytes,
+                               kv_growth_bytes_per_token=memory.growth_bytes_per_token, kv_memory=memory.describe())
+        if progress:
+            log(memory.describe())  # before a long job: is this configuration bounded?
         try:
             signals.graceful = True
             _loop(stream, writer, stats, plan.done, ctx, summary, total, progress, signals, group)
@@ -754,7 +767,10 @@ def merge_stats(earlier: bytes, blobs: list[bytes]) -> list[bytes]:
 
 def combine_summaries(summaries: list[dict], files: _Files) -> BatchSummary:
     """One summary for the job: sums over ranks, and each rank's own numbers."""
-    total = BatchSummary(input=files.input, output=files.output, model=summaries[0]["model"])
+    first = summaries[0]
+    total = BatchSummary(input=files.input, output=files.output, model=first["model"],
+                         kv_ceiling_bytes=first["kv_ceiling_bytes"],
+                         kv_growth_bytes_per_token=first["kv_growth_bytes_per_token"], kv_memory=first["kv_memory"])
     for name in ("rows", "ok", "failed", "skipped", "tokens_seen", "tokens_kept", "generated_tokens"):
         setattr(total, name, sum(s[name] for s in summaries))
     oks = [(s["ok"], s) for s in summaries if s["ok"]]

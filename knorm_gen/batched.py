@@ -159,6 +159,7 @@ class BatchEngine:
             compression_ratio=stats.compression_ratio,
             kept_bytes=stats.kept_bytes,
             full_bytes=stats.full_bytes,
+            kv_ceiling_bytes=stats.ceiling_bytes,
             prefill_s=row.prefill_s,
             decode_s=row.decode_s,
             prompt_tps=row.prompt_tokens / row.prefill_s if row.prefill_s > 0 else 0.0,

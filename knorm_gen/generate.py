@@ -37,7 +37,9 @@ class GenerationResult:
     ``tokens_seen`` is the number of positions the cache processed (prompt plus
     every generated token fed back, read from the cache's offset);
     ``tokens_kept`` the most positions any compressed layer holds;
-    ``compression_ratio = full_bytes / kept_bytes`` over all layers.
+    ``compression_ratio = full_bytes / kept_bytes`` over all layers;
+    ``kv_ceiling_bytes`` the most this configuration can ever hold for one row
+    (None when some layer keeps every token, so memory grows with the input).
     """
 
     text: str
@@ -49,6 +51,7 @@ class GenerationResult:
     compression_ratio: float
     kept_bytes: int
     full_bytes: int
+    kv_ceiling_bytes: Optional[int]
     prefill_s: float
     decode_s: float
     prompt_tps: float
@@ -169,6 +172,7 @@ def _run(model, tok, ids, caches, *, generation: GenerationConfig, config_dict, 
         compression_ratio=stats.compression_ratio,
         kept_bytes=stats.kept_bytes,
         full_bytes=stats.full_bytes,
+        kv_ceiling_bytes=stats.ceiling_bytes,
         prefill_s=prefill_s,
         decode_s=decode_s,
         prompt_tps=last.prompt_tps,

@@ -449,3 +449,24 @@ def test_mlx_lm_cache_protocol_is_complete():
 
     missing = missing_mlx_lm_protocol()
     assert not missing, "the installed mlx_lm lacks: " + "; ".join(missing)
+
+
+def test_kv_memory_ceiling_against_an_independent_count():
+    from knorm_gen import kv_memory
+
+    types = ["full_attention", "sliding_attention", "full_attention", "full_attention"]
+    model = tiny_llama(layers=4, layer_types=types, sliding_window=8)
+    row = 2 * 16 * 2 * 4  # KV heads x head_dim x (keys + values) x float32
+    bounded = kv_memory(model, EvictionConfig(budget=16, skip_layers=(), layer_budgets={3: 32}))
+    assert bounded.ceiling_bytes == (16 + 8 + 16 + 32) * row and bounded.growth_bytes_per_token == 0
+    assert bounded.bytes_at(10) == (10 + 8 + 10 + 10) * row and bounded.bytes_at(1000) == bounded.ceiling_bytes
+    grows = kv_memory(model, EvictionConfig(budget=16, skip_layers=(2,)))
+    assert grows.ceiling_bytes is None and grows.growth_bytes_per_token == row
+    assert grows.bytes_at(1000) == (16 + 8 + 1000 + 16) * row and "1 of 4 layers keep every token" in grows.describe()
+    # cache_stats reports the same ceiling after a real run
+    caches = make_eviction_cache(model, EvictionConfig(budget=16, skip_layers=(), layer_budgets={3: 32}))
+    feed(model, caches, random_tokens(40, seed=1), [30, 1, 9])
+    assert cache_stats(caches).ceiling_bytes == bounded.ceiling_bytes
+    caches = make_eviction_cache(model, EvictionConfig(budget=16, skip_layers=(2,)))
+    feed(model, caches, random_tokens(40, seed=1), [40])
+    assert cache_stats(caches).ceiling_bytes is None

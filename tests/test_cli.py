@@ -51,6 +51,8 @@ def test_default_output_beside_input_and_summary(tmp_path):
     out = tmp_path / "prompts.completions.jsonl"
     assert [r["id"] for r in records(out)] == ["a", "b"]
     assert "2 rows: 2 ok, 0 failed, 0 skipped" in result.stderr and "compression mean" in result.stderr
+    # the default leaves 9 of 30 layers uncompressed: the summary says memory has no ceiling
+    assert "KV memory per row: no ceiling: 9 of 30 layers keep every token" in result.stderr
     assert result.stdout == ""
 
 
