@@ -178,49 +178,42 @@ def plots(d: Path) -> list[str]:
     except ImportError:
         return []
     made = []
+    def grouped_bars(name, title, keys, arms, value, ylabel, labels):
+        fig, ax = plt.subplots(figsize=(8, 4))
+        width = 0.8 / max(1, len(arms))
+        for i, arm in enumerate(arms):
+            ax.bar([j + i * width for j in range(len(keys))], [value(k, arm) for k in keys], width, label=arm)
+        ax.set_xticks([j + 0.4 for j in range(len(keys))])
+        ax.set_xticklabels([labels(k) for k in keys], fontsize=7)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=6, ncol=3)
+        fig.tight_layout()
+        fig.savefig(d / name, dpi=110)
+        made.append(name)
+
     for suffix, title in MODELS:
         pk = _load(d, f"quality_passkey{suffix}.json")
         if pk:
             rows = [r for r in pk["summary"] if r["ratio"] is not None and r["mode"] == "ctq"]
-            keys = sorted({(r["length"], r["ratio"]) for r in rows})
-            arms = _arms({r["arm"] for r in rows})
             full = {r["length"]: r for r in pk["summary"] if r["arm"] == "full" and r["mode"] == "ctq"}
-            fig, ax = plt.subplots(figsize=(8, 4))
-            width = 0.8 / max(1, len(arms) + 1)
-            for i, arm in enumerate(["full", *arms]):
-                vals = []
-                for k in keys:
-                    sel = [full[k[0]]] if arm == "full" else [r for r in rows if (r["length"], r["ratio"]) == k and r["arm"] == arm]
-                    vals.append(sel[0]["correct"] / sel[0]["cases"] if sel else 0)
-                ax.bar([j + i * width for j in range(len(keys))], vals, width, label=arm)
-            ax.set_xticks([j + 0.4 for j in range(len(keys))])
-            ax.set_xticklabels([f"{k[0]} tok\n{k[1]}x" for k in keys], fontsize=7)
-            ax.set_ylabel("passkey accuracy (context then question)")
-            ax.set_title(title, fontsize=9)
-            ax.legend(fontsize=6, ncol=3)
-            fig.tight_layout()
-            name = f"passkey{suffix}.png"
-            fig.savefig(d / name, dpi=110)
-            made.append(name)
+
+            def accuracy(k, arm, rows=rows, full=full):
+                sel = [full[k[0]]] if arm == "full" else [r for r in rows if (r["length"], r["ratio"]) == k
+                                                          and r["arm"] == arm]
+                return sel[0]["correct"] / sel[0]["cases"] if sel else 0
+
+            grouped_bars(f"passkey{suffix}.png", title, sorted({(r["length"], r["ratio"]) for r in rows}),
+                         ["full", *_arms({r["arm"] for r in rows})], accuracy,
+                         "passkey accuracy (context then question)", lambda k: f"{k[0]} tok\n{k[1]}x")
         ppl = _load(d, f"quality_ppl{suffix}.json")
         if ppl:
-            fig, ax = plt.subplots(figsize=(7, 4))
-            keys = sorted({(r["length"], r["budget"]) for r in ppl["summary"]})
-            arms = _arms({r["arm"] for r in ppl["summary"]})
-            width = 0.8 / max(1, len(arms))
-            for i, arm in enumerate(arms):
-                vals = [next((r["vs_full_pct"] for r in ppl["summary"] if (r["length"], r["budget"]) == k
-                              and r["arm"] == arm), 0) for k in keys]
-                ax.bar([j + i * width for j in range(len(keys))], vals, width, label=arm)
-            ax.set_xticks([j + 0.4 for j in range(len(keys))])
-            ax.set_xticklabels([f"{k[0]} tok\nbudget {k[1]}" for k in keys], fontsize=7)
-            ax.set_ylabel("perplexity vs full cache (%)")
-            ax.set_title(title, fontsize=9)
-            ax.legend(fontsize=6, ncol=3)
-            fig.tight_layout()
-            name = f"ppl{suffix}.png"
-            fig.savefig(d / name, dpi=110)
-            made.append(name)
+            summ = ppl["summary"]
+            grouped_bars(f"ppl{suffix}.png", title, sorted({(r["length"], r["budget"]) for r in summ}),
+                         _arms({r["arm"] for r in summ}),
+                         lambda k, arm, summ=summ: next((r["vs_full_pct"] for r in summ
+                                                         if (r["length"], r["budget"]) == k and r["arm"] == arm), 0),
+                         "perplexity vs full cache (%)", lambda k: f"{k[0]} tok\nbudget {k[1]}")
     sp = _load(d, "cache_speed.json")
     if sp:
         fig, ax = plt.subplots(figsize=(6, 4))

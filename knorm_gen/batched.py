@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from .batch_cache import own_layer_masks
-from .cache import L2NormKVCache, cache_stats, copy_caches, make_eviction_cache
+from .cache import L2NormKVCache, copy_caches, make_eviction_cache
 from .config import EvictionConfig, GenerationConfig
 from .generate import (
     GenerationResult,
@@ -141,7 +141,6 @@ class BatchEngine:
                 row.decode_s += rest / len(decoded)
 
     def _result(self, row: _Row, finish_reason: str, caches: list) -> GenerationResult:
-        stats = cache_stats(caches)
         text_tokens = row.tokens[:-1] if finish_reason == "stop" else row.tokens
         detok = self.tok.detokenizer
         detok.reset()
@@ -149,17 +148,12 @@ class BatchEngine:
             detok.add_token(t)
         detok.finalize()
         n = len(row.tokens)
-        return GenerationResult(
+        return GenerationResult.from_caches(
+            caches,
             text=detok.text,
             finish_reason=finish_reason,
             prompt_tokens=row.prompt_tokens,
             generated_tokens=n,
-            tokens_seen=stats.tokens_seen,
-            tokens_kept=stats.tokens_kept,
-            compression_ratio=stats.compression_ratio,
-            kept_bytes=stats.kept_bytes,
-            full_bytes=stats.full_bytes,
-            kv_ceiling_bytes=stats.ceiling_bytes,
             prefill_s=row.prefill_s,
             decode_s=row.decode_s,
             prompt_tps=row.prompt_tokens / row.prefill_s if row.prefill_s > 0 else 0.0,

@@ -68,6 +68,14 @@ class GenerationResult:
         """A JSON-serialisable dict."""
         return asdict(self)
 
+    @classmethod
+    def from_caches(cls, caches: Sequence[Any], **fields: Any) -> "GenerationResult":
+        """A result whose cache numbers are read from ``caches`` (see :func:`cache_stats`)."""
+        stats = cache_stats(caches)
+        return cls(tokens_seen=stats.tokens_seen, tokens_kept=stats.tokens_kept,
+                   compression_ratio=stats.compression_ratio, kept_bytes=stats.kept_bytes,
+                   full_bytes=stats.full_bytes, kv_ceiling_bytes=stats.ceiling_bytes, **fields)
+
 
 def _as_tokenizer(tokenizer: Any) -> TokenizerWrapper:
     return tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
@@ -159,20 +167,14 @@ def _run(model, tok, ids, caches, *, generation: GenerationConfig, config_dict, 
             pieces.append(resp.text)
             yield resp.text
     end = time.perf_counter()
-    stats = cache_stats(caches)
     prefill_s = (first_at - tic) + extra_prefill_s
     decode_s = end - first_at
-    yield GenerationResult(
+    yield GenerationResult.from_caches(
+        caches,
         text="".join(pieces),
         finish_reason=last.finish_reason,
         prompt_tokens=prompt_tokens,
         generated_tokens=last.generation_tokens,
-        tokens_seen=stats.tokens_seen,
-        tokens_kept=stats.tokens_kept,
-        compression_ratio=stats.compression_ratio,
-        kept_bytes=stats.kept_bytes,
-        full_bytes=stats.full_bytes,
-        kv_ceiling_bytes=stats.ceiling_bytes,
         prefill_s=prefill_s,
         decode_s=decode_s,
         prompt_tps=last.prompt_tps,

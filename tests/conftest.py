@@ -119,3 +119,12 @@ def make_tiny_model_dir(path, layers: int = 4, seed: int = 0):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory):
+    """A fresh GGUF conversion cache (KNORM_CACHE_DIR) for one test module."""
+    with pytest.MonkeyPatch.context() as mp:
+        root = tmp_path_factory.mktemp("knorm-cache")
+        mp.setenv("KNORM_CACHE_DIR", str(root))
+        yield root

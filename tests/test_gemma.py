@@ -25,12 +25,6 @@ BOS = 2
 GLOBAL_LAYERS = [5, 11, 17]  # every sixth layer attends globally; the other 15 slide over 512 tokens
 
 
-@pytest.fixture(scope="module")
-def cache_root(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        root = tmp_path_factory.mktemp("knorm-cache")
-        mp.setenv("KNORM_CACHE_DIR", str(root))
-        yield root
 
 
 @pytest.fixture(scope="module")

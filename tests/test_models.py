@@ -24,11 +24,9 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cache_root(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        root = tmp_path_factory.mktemp("knorm-cache")
-        mp.setenv("KNORM_CACHE_DIR", str(root))
-        yield root
+def _conversions(cache_root):
+    """Every load in this module converts into a temporary cache (tests/conftest.py)."""
+    return cache_root
 
 
 @pytest.fixture(scope="module")
