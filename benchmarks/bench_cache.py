@@ -22,7 +22,7 @@ from pathlib import Path
 import knorm_gen  # noqa: F401  (BLAS preload first)
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from knorm_gen import EvictionConfig, L2NormKVCache, cache_stats, make_eviction_cache, runtime_info
 

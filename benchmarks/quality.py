@@ -37,7 +37,7 @@ import random
 import re
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import knorm_gen  # noqa: F401  (BLAS preload first)
 import mlx.core as mx

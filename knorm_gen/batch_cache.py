@@ -30,7 +30,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, _BaseCache
 
 from .config import validate_eviction_args
-from .scores import PROTECTED, SCORES, pack_ranks, protect_recent
+from .scores import SCORES, pack_ranks, protect_recent
 
 PAD = 2**63 - 1  # rank of an empty or padding slot: sorts last, never kept
 _NEVER_EVICT = -(2**63)
