@@ -324,12 +324,11 @@ PLANS = {
     # SmolLM2: trained context 8k; the full cache found 4/4 keys at 2k and 4k, 2/3 at 8k (calibration, README)
     "default": dict(passkey=[1024, 2048, 4096, 8192],
                     ppl=[(1024, 256, None), (4096, 1024, CORE), (4096, 512, CORE + ("bounded_x4",)),
-                         (8192, 2048, CORE), (8192, 1024, CORE), (8192, 512, CANDIDATES)],
+                         (8192, 1024, CORE), (8192, 512, CANDIDATES)],
                     summary=True),
     # Gemma 3 270M: 32k context; the full cache found 3/3 keys at 4k, 2/3 at 8k (calibration, README)
     "gemma-3-270m": dict(passkey=[2048, 4096, 8192, 16384],
-                         ppl=[(4096, 1024, CORE), (4096, 512, CORE), (8192, 2048, CORE), (8192, 1024, CORE),
-                              (8192, 512, CANDIDATES)],
+                         ppl=[(4096, 1024, CORE), (4096, 512, CORE), (8192, 1024, CORE), (8192, 512, CANDIDATES)],
                          summary=False),
 }
 QUICK = dict(passkey=[1024], ppl=[(512, 128, None)], summary=True)
