@@ -3,7 +3,7 @@
 Run: python examples/api_example.py   (about half a minute on 2 CPU cores)
 """
 
-from knorm_gen import answer_questions, generate_with_eviction, load_model
+from knorm_gen import answer_questions, generate_batch_with_eviction, generate_with_eviction, load_model
 
 model, tokenizer = load_model()  # the embedded SmolLM2-135M-Instruct
 
@@ -29,3 +29,9 @@ for answer in answer_questions(
     budget=32, max_tokens=24,
 ):
     print(f"Q: {answer.question}\nA: {answer.text}")
+
+# Several prompts decoded together; each row evicts exactly as it would alone.
+prompts = ["Name three rivers in Europe.", "What is a prime number?", "Describe a cat in one sentence."]
+for prompt, r in zip(prompts, generate_batch_with_eviction(model, tokenizer, prompts, batch_size=3,
+                                                           budget=32, max_tokens=24)):
+    print(f"{r.prompt_tokens}+{r.generated_tokens} tokens, {r.tokens_kept} kept: {r.text[:40]!r}")

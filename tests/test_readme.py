@@ -75,7 +75,20 @@ def test_cache_block_prints_true_numbers(executed):
     cache = ns["cache"]
     seen = cache[0].offset  # layer 0 is a plain mlx_lm KVCache (skipped by default)
     assert type(cache[0]).__name__ == "KVCache" and seen > 32
-    assert outputs[1] == [f"{seen} 32 {ratio(seen, 32):.2f}x"]
+    assert outputs[2] == [f"{seen} 32 {ratio(seen, 32):.2f}x"]
+
+
+def test_batch_block_prints_one_true_line_per_prompt(executed):
+    ns, outputs = executed
+    tok = ns["tokenizer"]
+    lines = outputs[1]
+    assert len(lines) == len(ns["prompts"]) == 3
+    for prompt, line in zip(ns["prompts"], lines):
+        n_prompt = len(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               tokenize=True))
+        m = re.match(r"^(\d+)\+(\d+) tokens, (\d+) kept: ", line)
+        assert m and int(m[1]) == n_prompt  # in input order
+        assert int(m[3]) == min(32, n_prompt + int(m[2]))
 
 
 @pytest.mark.parametrize("line", shell_lines("knorm-batch"))
