@@ -20,9 +20,10 @@ counted over all layers, so each arm's real byte compression is reported beside 
   bounded_x4  the same with 4x
 Sliding-window layers (Gemma 3) keep their own caches in every arm.
 
-Passkey: a needle sentence in repetitive filler at depths 0.1-0.9, the question
-written as the start of the answer (completion style; the full cache found it far
-more often than with a chat turn or prose filler, see README). Each case's context
+Passkey: a needle sentence in repetitive filler at depths 0.1-0.9, then the cue
+"The pass key is" for the model to complete (completion style: the full cache
+found keys far more often so than with a chat turn, a longer question or prose
+filler; see README). Each case's context
 is prefilled once with the full cache; every arm compresses a copy of it, which is
 what a one-block prefill through the arm keeps (attend first, evict after). The
 product path (the library's 512-token block prefill) runs for the default arm.
@@ -178,7 +179,10 @@ def task_ppl(model, tok, arms: Arms, grid: list, arm_names, n_docs: int, log) ->
 
 
 # ---------------------------------------------------------------- passkey
-QUESTION = "What is the pass key? The pass key is"
+# The cue the model completes. Calibrated (README): with "What is the pass key? The pass key is"
+# the full cache lost keys past the first third of a 2k context on SmolLM2; with the bare cue it
+# found them at 2k-8k on SmolLM2 and at 4k-16k on Gemma 3.
+QUESTION = "The pass key is"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 INTRO = "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
 
