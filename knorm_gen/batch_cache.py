@@ -354,10 +354,16 @@ def own_layer_masks(model: Any) -> Iterator[None]:
     restored on exit, so outside our calls the model behaves exactly as before;
     nothing in mlx_lm is patched."""
     layers = model.layers
+    if any(isinstance(block, _OwnMaskLayer) for block in layers):
+        yield  # already inside our call
+        return
     originals = list(layers)
     try:
         for i, block in enumerate(originals):
             layers[i] = _OwnMaskLayer(block)
+        if not isinstance(model.layers[0], _OwnMaskLayer):
+            raise TypeError(f"{type(model).__name__}.layers is not the list the model runs, so each layer cannot "
+                            "build its own mask; batched eviction does not support this model")
         yield
     finally:
         layers[:] = originals
