@@ -1,7 +1,7 @@
 """Batched generation, one run: ours at batch 1/4/8/16 against mlx_lm's own
 ``batch_generate`` with full caches at the same batch sizes.
 
-    python benchmarks/bench_batch.py            # both workloads (about 1.5 h on 2 CPU cores)
+    python benchmarks/bench_batch.py            # both workloads (about 1.5 h on 2 CPU cores; --sizes/--long-sizes trim it)
     python benchmarks/bench_batch.py --quick    # smoke run
 
 Workloads: decode-heavy (short chat prompts, 256 new tokens) and the long-document
@@ -108,10 +108,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--model", default="default")
     ap.add_argument("--out", default=str(HERE / "results" / "batch.json"))
+    ap.add_argument("--sizes", default="1,4,8,16", help="batch sizes of the decode-heavy workload")
+    ap.add_argument("--long-sizes", default="1,4,8", help="batch sizes of the long-document workload")
     args = ap.parse_args(argv)
     model, tok = load_model(None if args.model == "default" else args.model)
     log = lambda msg: print(msg, flush=True)  # noqa: E731
-    sizes = (1, 2) if args.quick else (1, 4, 8, 16)
+    sizes = (1, 2) if args.quick else tuple(int(x) for x in args.sizes.split(","))
+    long_sizes = (1, 2) if args.quick else tuple(int(x) for x in args.long_sizes.split(","))
+    if sizes[0] != 1 or long_sizes[0] != 1:
+        ap.error("batch sizes start with 1 (the baseline every ratio divides by)")
     generate_with_eviction(model, tok, "Warm up.", max_tokens=4)  # first-call costs stay out of the arms
     tic = time.perf_counter()
     decode_gen = GenerationConfig(max_tokens=8 if args.quick else 256)
@@ -125,8 +130,7 @@ def main(argv=None) -> dict:
         prompts = [p[:1500] for p in prompts[:2]]
         generation = GenerationConfig(max_tokens=8)
     # 10 documents: a batch of 16 would hold them all, like 8 nearly does; 16 is left to the short rows
-    longdocs = workload(model, tok, "longdocs", prompts, eviction, generation, sizes[:-1] if len(sizes) > 2 else sizes,
-                        log)
+    longdocs = workload(model, tok, "longdocs", prompts, eviction, generation, long_sizes, log)
     res = {"benchmark": "batch", "model": args.model, "quick": args.quick, "runtime": knorm_gen.runtime_info(),
            "workloads": [decode, longdocs], "seconds": time.perf_counter() - tic}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -255,7 +255,7 @@ def task_passkey(model, tok, arms: Arms, lengths, depths, n_keys, ratios, arm_na
                         record(arm, budget, ratio, "whole_product", r.text, r.compression_ratio)
                 ok = [r for r in rows if r["key"] == key]
                 log(f"passkey len={n_ctx} depth={depth} full prefill {prefill_s:.0f}s: "
-                    + " ".join(f"{r['arm']}/{r['ratio'] or r['budget']}/{r['mode']}={int(r['ok'])}" for r in ok[:6])
+                    + " ".join(f"{r['arm']}/{r['ratio'] or r['budget']}/{r['mode']}={int(r['ok'])}" for r in ok)
                     + f" ... ({sum(r['ok'] for r in ok)}/{len(ok)} ok)")
     groups: dict = {}
     for r in rows:  # a row of the table: length, then a ratio or a fixed budget, arm, mode
@@ -346,6 +346,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--arms", default=",".join(DEFAULT_RUN))
     ap.add_argument("--cases", type=int, default=2, help="keys per depth (5 depths): 2 gives 10 cases per row")
     ap.add_argument("--full-only", default="", help="passkey lengths run with the full cache only")
+    ap.add_argument("--lengths", default="", help="passkey lengths, in the order run (default: the model's plan)")
+    ap.add_argument("--ratios", default="4,8", help="passkey compression ratios (context tokens per kept token)")
+    ap.add_argument("--product", default="4,fixed",
+                    help="settings the product path runs at: ratios and/or 'fixed' (the fixed budget 512)")
+    ap.add_argument("--ppl-grid", default="",
+                    help="LENGTH/BUDGET[/ARM+ARM...] items, comma-separated (default: the model's plan)")
+    ap.add_argument("--docs", type=int, default=3, help="perplexity documents per length")
+    ap.add_argument("--summary-docs", type=int, default=8, help="documents summarized")
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
     arm_names = tuple(a for a in args.arms.split(",") if a)
@@ -358,7 +366,15 @@ def main(argv=None) -> dict:
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     probe = probe_model(model, tok, n_tokens=512 if args.quick else 1024)
     arms = Arms(model, probe.suggested_skip_layers)
-    plan = QUICK if args.quick else PLANS.get(args.model, PLANS["default"])
+    plan = dict(QUICK if args.quick else PLANS.get(args.model, PLANS["default"]))
+    if args.lengths:
+        plan["passkey"] = [int(x) for x in args.lengths.split(",")]
+    if args.ppl_grid:
+        plan["ppl"] = [(int(item.split("/")[0]), int(item.split("/")[1]),
+                        tuple(item.split("/")[2].split("+")) if item.count("/") == 2 else None)
+                       for item in args.ppl_grid.split(",")]
+    ratios = [int(x) for x in args.ratios.split(",") if x]
+    product = tuple(None if x == "fixed" else int(x) for x in args.product.split(",") if x)
     meta = {"model": args.model, "quick": args.quick, "arms": list(arm_names), "runtime": knorm_gen.runtime_info(),
             "defaults": EvictionConfig().resolved(len(model.layers)).to_dict(),
             "full_attention_layers": arms.full_layers, "probe_skip_layers": list(arms.probe_skip)}
@@ -372,15 +388,16 @@ def main(argv=None) -> dict:
             continue
         tic = time.perf_counter()
         if task == "ppl":
-            res = task_ppl(model, tok, arms, plan["ppl"], arm_names, 1 if args.quick else 3, log)
+            res = task_ppl(model, tok, arms, plan["ppl"], arm_names, 1 if args.quick else args.docs, log)
         elif task == "passkey":
             full_only = [int(x) for x in args.full_only.split(",") if x]
             res = task_passkey(model, tok, arms, plan["passkey"], [0.5] if args.quick else [0.1, 0.3, 0.5, 0.7, 0.9],
-                               1 if args.quick else args.cases, [4, 8], arm_names, log,
-                               fixed_budgets=() if args.quick else (512,), fixed_arms=CANDIDATES + ("paper",),
-                               product_arms=("skip30",), full_only=full_only)
+                               1 if args.quick else args.cases, ratios, arm_names, log,
+                               fixed_budgets=() if args.quick else (512,),
+                               fixed_arms=tuple(a for a in CANDIDATES + ("paper",) if a in arm_names),
+                               product_arms=("skip30",), product_ratios=product, full_only=full_only)
         else:
-            res = task_summary(model, tok, arms, 1 if args.quick else 8, 512 if args.quick else 1024,
+            res = task_summary(model, tok, arms, 1 if args.quick else args.summary_docs, 512 if args.quick else 1024,
                                [128] if args.quick else [256], arm_names, 16 if args.quick else 48, log)
         res.update(meta, task=task, seconds=time.perf_counter() - tic)
         path = out_dir / f"quality_{task}{slug}.json"
