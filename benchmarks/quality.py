@@ -198,16 +198,18 @@ def passkey_context(tok, n_tokens: int, depth: float, key: str) -> str:
 
 def task_passkey(model, tok, arms: Arms, lengths, depths, n_keys, ratios, arm_names, log, fixed_budgets=(),
                  fixed_arms=(), product_arms=("default",), product_ratios=(4, None), product_max_length=4096,
-                 full_only=()) -> dict:
+                 full_only=(), seed=0, earlier_rows=(), on_case=None) -> dict:
     """Per case: one full prefill of the context (and of context + question);
     every arm compresses copies. Modes: ``ctq`` (context compressed, question and
     answer kept), ``whole`` (question compressed too, answer under eviction), and
     the product path through the library (``ctq_product``: ``answer_questions``;
     ``whole_product``: ``generate_with_eviction``), both with 512-token blocks, for
     ``product_arms`` at ``product_ratios`` (None: the fixed budgets) up to
-    ``product_max_length`` tokens (each is a prefill of its own)."""
-    rng = random.Random(0)
-    rows = []
+    ``product_max_length`` tokens (each is a prefill of its own). Keys come from
+    ``random.Random(seed)``; ``earlier_rows`` (another seed's run) join the table;
+    ``on_case(result)`` gets the table so far after every case (a checkpoint)."""
+    rng = random.Random(seed)
+    rows = list(earlier_rows)
     for length in lengths:
         for depth in depths:
             for _ in range(n_keys):
@@ -257,6 +259,13 @@ def task_passkey(model, tok, arms: Arms, lengths, depths, n_keys, ratios, arm_na
                 log(f"passkey len={n_ctx} depth={depth} full prefill {prefill_s:.0f}s: "
                     + " ".join(f"{r['arm']}/{r['ratio'] or r['budget']}/{r['mode']}={int(r['ok'])}" for r in ok)
                     + f" ... ({sum(r['ok'] for r in ok)}/{len(ok)} ok)")
+                if on_case:
+                    on_case(passkey_table(rows))
+    return passkey_table(rows)
+
+
+def passkey_table(rows: list) -> dict:
+    """Rows and their summary per (length, ratio or fixed budget, arm, mode)."""
     groups: dict = {}
     for r in rows:  # a row of the table: length, then a ratio or a fixed budget, arm, mode
         groups.setdefault((r["length"], r["ratio"], None if r["ratio"] else r["budget"], r["arm"], r["mode"]),
@@ -354,6 +363,9 @@ def main(argv=None) -> dict:
                     help="LENGTH/BUDGET[/ARM+ARM...] items, comma-separated (default: the model's plan)")
     ap.add_argument("--docs", type=int, default=3, help="perplexity documents per length")
     ap.add_argument("--summary-docs", type=int, default=8, help="documents summarized")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the pass keys (another seed: more cases)")
+    ap.add_argument("--add-to", default="",
+                    help="an earlier passkey results file (another seed) whose cases join this run's table")
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
     arm_names = tuple(a for a in args.arms.split(",") if a)
@@ -391,11 +403,27 @@ def main(argv=None) -> dict:
             res = task_ppl(model, tok, arms, plan["ppl"], arm_names, 1 if args.quick else args.docs, log)
         elif task == "passkey":
             full_only = [int(x) for x in args.full_only.split(",") if x]
+            earlier = json.loads(Path(args.add_to).read_text()) if args.add_to else {"rows": []}
+            earlier.setdefault("seeds", [0])  # files from before --seed hold seed 0
+            earlier_s = earlier.get("seconds", 0.0) if args.add_to else 0.0
+            if args.seed in earlier["seeds"] and args.add_to:
+                ap.error(f"{args.add_to} already holds the cases of seed {args.seed}")
+            seeds = [*earlier["seeds"], args.seed] if args.add_to else [args.seed]
+
+            def checkpoint(partial, tic=tic, seeds=seeds):
+                partial.update(meta, task="passkey", seconds=earlier_s + time.perf_counter() - tic, seeds=seeds)
+                tmp = out_dir / f".quality_passkey{slug}.json.tmp"
+                tmp.write_text(json.dumps(partial, indent=1))
+                tmp.replace(out_dir / f"quality_passkey{slug}.json")  # a kill never leaves half a file
+
             res = task_passkey(model, tok, arms, plan["passkey"], [0.5] if args.quick else [0.1, 0.3, 0.5, 0.7, 0.9],
                                1 if args.quick else args.cases, ratios, arm_names, log,
                                fixed_budgets=() if args.quick else (512,),
                                fixed_arms=tuple(a for a in CANDIDATES + ("paper",) if a in arm_names),
-                               product_arms=("skip30",), product_ratios=product, full_only=full_only)
+                               product_arms=("skip30",), product_ratios=product, full_only=full_only,
+                               seed=args.seed, earlier_rows=earlier["rows"], on_case=checkpoint)
+            res["seeds"] = seeds
+            tic -= earlier_s  # seconds: every joined run together
         else:
             res = task_summary(model, tok, arms, 1 if args.quick else args.summary_docs, 512 if args.quick else 1024,
                                [128] if args.quick else [256], arm_names, 16 if args.quick else 48, log)
