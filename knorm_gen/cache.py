@@ -21,6 +21,7 @@ from .config import (  # noqa: F401  (re-exported: they lived here first)
     EvictionConfig,
     auto_recent,
     default_skip_layers,
+    early_layers,
     validate_eviction_args,
 )
 from .scores import SCORES, pack_ranks, protect_recent, rank_positions
@@ -393,7 +394,8 @@ def cache_stats(caches: Iterable[Any]) -> CacheStats:
             ceiling += cap * row if row else kb
         if isinstance(c, L2NormKVCache):
             compressed += 1
-            kept = max(kept, c.tokens_kept)
+            # the fewest: the layers at the base budget (layer_budgets may give others more)
+            kept = c.tokens_kept if compressed == 1 else min(kept, c.tokens_kept)
     return CacheStats(seen, kept if compressed else seen, kept_b, full_b, compressed, ceiling if bounded else None)
 
 

@@ -19,9 +19,9 @@ KEEP_MODES = tuple(SCORES)
 paper's; ``high`` its ablation; ``random`` and ``recent`` (StreamingLLM: sinks +
 most recent) are baselines."""
 
-SKIP_FRACTION = 0.3
-"""Default share of leading layers kept uncompressed. On the embedded model,
-compressing layers 2-8 broke passkey retrieval at every length we measured,
+EARLY_FRACTION = 0.3
+"""The share of leading layers the default leaves uncompressed. On the embedded
+model, compressing layers 2-8 broke passkey retrieval at every length we measured,
 and leaving layers 0-8 (30% of 30) uncompressed restored it (README, Results)."""
 
 DEFAULT_PREFILL_STEP = 512
@@ -29,9 +29,12 @@ DEFAULT_QUESTION_SEPARATOR = "\n\n"
 SEED_LIMIT = 2**64  # mx.random.seed takes an unsigned 64-bit integer
 
 
-def default_skip_layers(n_layers: int) -> tuple[int, ...]:
-    """The first 30% of layers (at least two, as in the paper)."""
-    return tuple(range(min(n_layers, max(2, round(SKIP_FRACTION * n_layers)))))
+def early_layers(n_layers: int) -> tuple[int, ...]:
+    """The first 30% of layers (at least two, as the paper leaves uncompressed)."""
+    return tuple(range(min(n_layers, max(2, round(EARLY_FRACTION * n_layers)))))
+
+
+default_skip_layers = early_layers  # what skip_layers=None means
 
 
 def auto_recent(budget: int) -> int:
@@ -73,10 +76,15 @@ def _layer_index(i: Any, what: str) -> int:
 @dataclass(frozen=True)
 class EvictionConfig:
     """How every compressed layer evicts. ``budget=None`` means no eviction;
-    ``recent=None`` means :func:`auto_recent` (``budget // 8``, per layer);
-    ``skip_layers=None`` means :func:`default_skip_layers` of the model.
-    ``layer_budgets`` (``{layer: budget}``) overrides the budget of single
-    layers, e.g. more for the early layers that retrieval depends on."""
+    ``recent=None`` means :func:`auto_recent` (``budget // 8``, per layer).
+    ``skip_layers`` are left uncompressed (their memory grows with the input);
+    ``None`` means :func:`default_skip_layers`, the first 30% of layers.
+    ``layer_budgets`` (``{layer: budget}``) overrides the budget of single layers.
+
+    ``early_factor=N`` bounds every layer instead: nothing is skipped and the
+    first 30% of layers hold ``N * budget`` tokens (with 8, memory at budget 512
+    stops growing past 4096 tokens; README, Results). It replaces
+    ``skip_layers`` and ``layer_budgets``, so it cannot be combined with them."""
 
     budget: Optional[int] = 512
     n_sink: int = 4
@@ -84,6 +92,7 @@ class EvictionConfig:
     keep: str = "low"
     skip_layers: Optional[tuple[int, ...]] = None
     layer_budgets: Optional[Mapping[int, int]] = None
+    early_factor: Optional[int] = None
     recent_auto: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -109,18 +118,28 @@ class EvictionConfig:
                 except ValueError as e:
                     raise ValueError(f"layer_budgets[{layer}]: {e}") from None
             object.__setattr__(self, "layer_budgets", budgets or None)
+        if self.early_factor is not None:
+            if not _is_int(self.early_factor) or self.early_factor < 1:
+                raise ValueError(f"early_factor must be an integer >= 1, got {self.early_factor!r}")
+            if self.skip_layers is not None or self.layer_budgets is not None:
+                raise ValueError("early_factor sets the layer layout itself: leave skip_layers and layer_budgets "
+                                 "unset, or drop early_factor")
 
     def layer_recent(self, budget: int) -> int:
         """The recent window of a layer holding ``budget`` tokens."""
         return auto_recent(budget) if self.recent_auto else self.recent
 
     def resolved(self, n_layers: int) -> "EvictionConfig":
-        """This config with ``skip_layers`` made explicit for a model of ``n_layers``,
-        checked against it (a ValueError names an index out of range)."""
+        """This config with its layer layout made explicit for a model of ``n_layers``
+        (``skip_layers``, and ``layer_budgets`` for ``early_factor``), checked against
+        it (a ValueError names an index out of range)."""
         config = self
-        if self.skip_layers is None:
-            config = replace(self, skip_layers=default_skip_layers(n_layers),
-                             recent=None if self.recent_auto else self.recent)
+        recent = None if self.recent_auto else self.recent
+        if self.early_factor is not None:
+            early = {} if self.budget is None else {i: self.early_factor * self.budget for i in early_layers(n_layers)}
+            config = replace(self, skip_layers=(), layer_budgets=early or None, early_factor=None, recent=recent)
+        elif self.skip_layers is None:
+            config = replace(self, skip_layers=default_skip_layers(n_layers), recent=recent)
         for what, layers in (("skip_layers", config.skip_layers), ("layer_budgets", config.layer_budgets or {})):
             for i in layers:
                 if not -n_layers <= i < n_layers:
@@ -129,10 +148,13 @@ class EvictionConfig:
         return config
 
     def to_dict(self) -> dict:
-        """JSON-ready: ``skip_layers`` as a list (or None), ``layer_budgets`` only when set."""
+        """JSON-ready: ``skip_layers`` as a list (or None); ``layer_budgets`` and
+        ``early_factor`` only when set."""
         d = asdict(self)
         d.pop("recent_auto")
         d["skip_layers"] = None if self.skip_layers is None else list(self.skip_layers)
+        if self.early_factor is None:  # records made before the field existed keep their fingerprints
+            d.pop("early_factor")
         if self.layer_budgets is None:
             d.pop("layer_budgets")
         else:
@@ -141,7 +163,7 @@ class EvictionConfig:
 
     def __hash__(self) -> int:
         return hash((self.budget, self.n_sink, self.recent, self.keep, self.skip_layers,
-                     tuple(sorted((self.layer_budgets or {}).items()))))
+                     tuple(sorted((self.layer_budgets or {}).items())), self.early_factor))
 
 
 @dataclass(frozen=True)

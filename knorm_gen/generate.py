@@ -36,7 +36,9 @@ class GenerationResult:
 
     ``tokens_seen`` is the number of positions the cache processed (prompt plus
     every generated token fed back, read from the cache's offset);
-    ``tokens_kept`` the most positions any compressed layer holds;
+    ``tokens_kept`` the positions a layer at the base ``budget`` holds (the fewest
+    any compressed layer holds: the default gives the first 30% of layers 8x the
+    budget, and ``layer_budgets`` may give others more; ``kept_bytes`` counts them all);
     ``compression_ratio = full_bytes / kept_bytes`` over all layers;
     ``kv_ceiling_bytes`` the most this configuration can ever hold for one row
     (None when some layer keeps every token, so memory grows with the input).

@@ -397,15 +397,41 @@ def test_layer_budgets_override_single_layers(tiny_model):
 
 
 def test_default_skip_layers_are_the_first_30_percent(tiny_model):
-    from knorm_gen.cache import default_skip_layers
+    from knorm_gen.cache import default_skip_layers, kv_memory
 
     assert default_skip_layers(30) == tuple(range(9))
     assert default_skip_layers(3) == (0, 1) and default_skip_layers(1) == (0,)
     config = EvictionConfig(budget=8)
     assert config.skip_layers is None and config.to_dict()["skip_layers"] is None
+    assert "early_factor" not in config.to_dict()  # records written before the field keep their fingerprints
     assert config.resolved(30).skip_layers == tuple(range(9)) and config.resolved(30).recent == 1
-    caches = make_eviction_cache(tiny_llama(layers=10), config)
+    model = tiny_llama(layers=10)
+    caches = make_eviction_cache(model, config)
     assert [type(c) is KVCache for c in caches] == [True] * 3 + [False] * 7
+    assert kv_memory(model, config).ceiling_bytes is None  # the skipped layers grow with the input
+
+
+def test_early_factor_bounds_every_layer():
+    from knorm_gen.cache import kv_memory
+
+    config = EvictionConfig(budget=8, early_factor=8)
+    resolved = config.resolved(30)
+    assert resolved.skip_layers == () and resolved.layer_budgets == {i: 64 for i in range(9)}
+    model = tiny_llama(layers=10)
+    caches = make_eviction_cache(model, config)
+    assert all(isinstance(c, L2NormKVCache) for c in caches)
+    assert [c.budget for c in caches] == [64] * 3 + [8] * 7
+    # the ceiling from the caches' own arrays: bytes per position x the positions each layer can hold
+    model(mx.array([[0]]), cache=caches)
+    row = (caches[0].keys.nbytes + caches[0].values.nbytes) // caches[0].keys.shape[2]
+    memory = kv_memory(model, config)
+    assert memory.ceiling_bytes == row * (3 * 64 + 7 * 8) and memory.growth_bytes_per_token == 0
+    assert config.to_dict()["early_factor"] == 8 and config != EvictionConfig(budget=8)
+    for bad in (dict(early_factor=0), dict(early_factor=2.5), dict(early_factor=8, skip_layers=(0, 1)),
+                dict(early_factor=8, layer_budgets={0: 64})):
+        with pytest.raises(ValueError, match="early_factor"):
+            EvictionConfig(budget=8, **bad)
+    assert EvictionConfig(budget=None, early_factor=8).resolved(10).layer_budgets is None
 
 
 def test_keep_random_size_protection_and_seed():

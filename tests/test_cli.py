@@ -258,3 +258,19 @@ def test_kill_9_with_a_batch_in_flight_then_rerun_gives_every_id_once(tmp_path, 
     assert after.startswith(complete)  # finished records byte-identical
     ids = [json.loads(line)["id"] for line in after.splitlines()]
     assert sorted(ids) == list(range(12))
+
+
+def test_early_factor_bounds_memory_and_says_so(tmp_path):
+    inp = tmp_path / "prompts.jsonl"
+    inp.write_text('{"id": "a", "prompt": "Say hi."}\n')
+    result = invoke(inp, *FAST, "--early-factor", "8")
+    assert result.exit_code == 0, result.output
+    (record,) = records(tmp_path / "prompts.completions.jsonl")
+    assert record["config"]["skip_layers"] == [] and record["config"]["layer_budgets"] == {
+        str(i): 8 * 16 for i in range(9)}
+    # SmolLM2-135M: 3 KV heads x 64 dims x (key + value) x 4 bytes per position and layer;
+    # layers 0-8 hold 8 x 16 positions, the other 21 hold 16
+    ceiling = 3 * 64 * 2 * 4 * (9 * 8 * 16 + 21 * 16)
+    assert f"KV memory per row: at most {ceiling / 2**20:.1f} MiB, whatever the input length" in result.stderr
+    clash = invoke(inp, *FAST, "--early-factor", "8", "--skip-layers", "0,1", "-o", str(tmp_path / "x.jsonl"))
+    assert clash.exit_code == 2 and "early_factor" in clash.stderr
