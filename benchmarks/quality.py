@@ -15,8 +15,9 @@ counted over all layers, so each arm's real byte compression is reported beside 
   streaming   sinks + most recent tokens (StreamingLLM), same machinery, layers 0-1 uncompressed
   rotating    mlx_lm RotatingKVCache(budget, keep=4) in every full-attention layer (max_kv_size)
   probe       keep-low with the layers knorm-probe suggests uncompressed (computed at the start)
-  skip30      keep-low with the first 30% of layers uncompressed (the 0.1 default: KV grows there)
-  bounded_x8  keep-low in every full-attention layer; the first 30% get 8x the budget (a ceiling)
+  skip30      keep-low with the first 30% of layers uncompressed (the library default: KV grows there)
+  bounded_x8  keep-low in every full-attention layer; the first 30% get 8x the budget (a ceiling:
+              EvictionConfig(early_factor=8))
   bounded_x4  the same with 4x
 Sliding-window layers (Gemma 3) keep their own caches in every arm.
 
@@ -81,8 +82,8 @@ class Arms:
             "streaming": EvictionConfig(**paper, recent=0, keep="recent"),
             "probe": EvictionConfig(budget=budget, skip_layers=self.probe_skip),
             "skip30": EvictionConfig(budget=budget, skip_layers=self.early),
-            "bounded_x8": EvictionConfig(budget=budget, skip_layers=(), layer_budgets={i: 8 * budget for i in self.early}),
-            "bounded_x4": EvictionConfig(budget=budget, skip_layers=(), layer_budgets={i: 4 * budget for i in self.early}),
+            "bounded_x8": EvictionConfig(budget=budget, early_factor=8),
+            "bounded_x4": EvictionConfig(budget=budget, early_factor=4),
         }
         return table.get(arm)
 
