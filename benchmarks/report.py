@@ -69,7 +69,8 @@ def ppl_table(res: dict) -> str:
         cells = {r["arm"]: r for r in summ if (r["length"], r["budget"]) == key}
         lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(
             f"{cells[a]['compression']:.2f}x" if a in cells else "" for a in arms) + " |")
-    lines.append(f"\n{res['docs']} documents per length; the table gives the geometric mean.")
+    docs = res["docs"]
+    lines.append(f"\n{docs} document{'s' if docs != 1 else ''} per length; the table gives the geometric mean.")
     return "\n".join(lines)
 
 

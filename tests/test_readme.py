@@ -104,3 +104,19 @@ def test_make_targets_named_in_readme_exist():
     makefile = (ROOT / "Makefile").read_text()
     for target in set(re.findall(r"^make (\w[\w-]*)", README, flags=re.M)):
         assert re.search(rf"^{target}:", makefile, flags=re.M), target
+
+
+def test_memory_block_prints_true_numbers(executed):
+    ns, outputs = executed
+    row = 3 * 64 * 2 * 4  # SmolLM2-135M: 3 KV heads x 64 dims x (key + value) x 4 bytes, per layer
+    lengths = (1024, 4096, 8192, 16384)
+    positions = {  # per layout: positions held over all 30 layers after n tokens, and the ceiling
+        "full": (lambda n: 30 * n, None),
+        "default": (lambda n: 9 * n + 21 * min(n, 512), None),
+        "early_factor=8": (lambda n: 9 * min(n, 4096) + 21 * min(n, 512), 9 * 4096 + 21 * 512),
+        "skip 0-1": (lambda n: 2 * n + 28 * min(n, 512), None),
+    }
+    assert list(ns["layouts"]) == list(positions)
+    expected = [f"{name} {[round(row * held(n) / 2**20, 1) for n in lengths]} {None if cap is None else row * cap}"
+                for name, (held, cap) in positions.items()]
+    assert outputs[3] == expected
