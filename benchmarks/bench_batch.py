@@ -100,7 +100,7 @@ def workload(model, tok, name, prompts, eviction, generation, sizes, log):
         ratios[f"ours_b{size}_vs_mlx_b{size}_rows_per_hour"] = (by[f"ours_b{size}"]["rows_per_hour"]
                                                                / by[f"mlx_b{size}"]["rows_per_hour"])
     return {"workload": name, "prompt_tokens": [len(i) for i in ids], "max_tokens": generation.max_tokens,
-            "eviction": eviction.resolved(len(model.layers)).to_dict(), "arms": arms, "ratios": ratios}
+            "eviction": eviction.for_model(model).to_dict(), "arms": arms, "ratios": ratios}
 
 
 def main(argv=None) -> dict:

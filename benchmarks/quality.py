@@ -15,7 +15,8 @@ counted over all layers, so each arm's real byte compression is reported beside 
   streaming   sinks + most recent tokens (StreamingLLM), same machinery, layers 0-1 uncompressed
   rotating    mlx_lm RotatingKVCache(budget, keep=4) in every full-attention layer (max_kv_size)
   probe       keep-low with the layers knorm-probe suggests uncompressed (computed at the start)
-  skip30      keep-low with the first 30% of layers uncompressed (the library default: KV grows there)
+  skip30      keep-low with the first 30% of all layers uncompressed: the library default on models
+              without sliding-window layers (on Gemma 3 the default skips global layers 5 and 11: `probe`)
   bounded_x8  keep-low in every full-attention layer; the first 30% get 8x the budget (a ceiling:
               EvictionConfig(early_factor=8))
   bounded_x4  the same with 4x
@@ -389,7 +390,7 @@ def main(argv=None) -> dict:
     ratios = [int(x) for x in args.ratios.split(",") if x]
     product = tuple(None if x == "fixed" else int(x) for x in args.product.split(",") if x)
     meta = {"model": args.model, "quick": args.quick, "arms": list(arm_names), "runtime": knorm_gen.runtime_info(),
-            "defaults": EvictionConfig().resolved(len(model.layers)).to_dict(),
+            "defaults": EvictionConfig().for_model(model).to_dict(),
             "full_attention_layers": arms.full_layers, "probe_skip_layers": list(arms.probe_skip)}
     results = {}
     tasks = ["ppl", "passkey", "summary"] if args.task == "all" else args.task.split(",")

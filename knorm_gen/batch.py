@@ -246,7 +246,7 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
             if model is None:
                 model, tokenizer = get_model(options.model)
             try:
-                eviction = options.eviction.resolved(len(model.layers))
+                eviction = options.eviction.for_model(model)
             except ValueError as e:
                 raise BatchUsageError(str(e)) from None
             ctx = _Context(options, model, tokenizer, eviction, record_config(eviction, options.generation))

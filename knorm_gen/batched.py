@@ -73,7 +73,7 @@ class BatchEngine:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         self.model = model
         self.tok = _as_tokenizer(tokenizer)
-        self.eviction = eviction.resolved(len(model.layers))
+        self.eviction = eviction.for_model(model)
         if seed is not None:
             mx.random.seed(seed)
         self._gen = BatchGenerator(

@@ -316,7 +316,8 @@ def make_eviction_cache(model: nn.Module, config: EvictionConfig | None = None) 
     full-attention ``KVCache`` outside ``skip_layers`` replaced by an
     ``L2NormKVCache``. Rotating (sliding-window) and non-attention caches stay."""
     caches = make_prompt_cache(model)
-    config = (config or EvictionConfig()).resolved(len(caches))
+    full = [i for i, c in enumerate(caches) if type(c) is KVCache]
+    config = (config or EvictionConfig()).resolved(len(caches), full)
     if config.budget is None:
         return caches
     n = len(caches)  # resolved() has checked every index against it

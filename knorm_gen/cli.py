@@ -231,11 +231,11 @@ class _BatchCommand(click.Command):
               help="low = keep low key norms (the paper); high = ablation; random/recent = baselines.")
 @click.option("--skip-layers", type=_Parsed("LIST|none", parse_skip_layers), default=None,
               help="Layers left uncompressed (their memory grows with the input), e.g. '0,1' or '0-8'; "
-                   "'none' compresses all.  [default: the first 30% of layers, 0-8 on the embedded model]")
+                   "'none' compresses all.  [default: the first 30% of the full-attention layers, at least two: 0-8 on the embedded model, 5,11 on Gemma 3]")
 @click.option("--layer-budgets", type=_Parsed("LAYERS:INT,...", parse_layer_budgets), default=None,
               help="Per-layer budgets overriding --budget, e.g. '2-8:1024,20:256'.")
 @click.option("--early-factor", type=int, default=None,
-              help="Bound every layer: nothing skipped, the first 30% of layers hold N x --budget "
+              help="Bound every layer: nothing skipped, the first 30% of the full-attention layers hold N x --budget "
                    "(8: a memory ceiling at about today's retrieval; README, Results).")
 @click.option("--max-tokens", type=int, default=256, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from .scores import SCORES
 
@@ -29,9 +29,20 @@ DEFAULT_QUESTION_SEPARATOR = "\n\n"
 SEED_LIMIT = 2**64  # mx.random.seed takes an unsigned 64-bit integer
 
 
-def early_layers(n_layers: int) -> tuple[int, ...]:
-    """The first 30% of layers (at least two, as the paper leaves uncompressed)."""
-    return tuple(range(min(n_layers, max(2, round(EARLY_FRACTION * n_layers)))))
+def early_layers(n_layers: int, full_layers: Optional[Sequence[int]] = None) -> tuple[int, ...]:
+    """The first 30% (at least two, as the paper leaves uncompressed) of the layers
+    eviction can compress: the full-attention ones when ``full_layers`` is given
+    (on Gemma 3, global layers 5 and 11 of 5, 11, 17), else all ``n_layers``."""
+    layers = list(range(n_layers)) if full_layers is None else sorted(full_layers)
+    return tuple(layers[: min(len(layers), max(2, round(EARLY_FRACTION * len(layers))))])
+
+
+def full_attention_layers(model: Any) -> list[int]:
+    """The layers whose mlx_lm cache is a plain ``KVCache``: the only ones eviction
+    replaces (sliding-window and SSM caches stay as the model made them)."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    return [i for i, c in enumerate(make_prompt_cache(model)) if type(c) is KVCache]
 
 
 default_skip_layers = early_layers  # what skip_layers=None means
@@ -78,11 +89,12 @@ class EvictionConfig:
     """How every compressed layer evicts. ``budget=None`` means no eviction;
     ``recent=None`` means :func:`auto_recent` (``budget // 8``, per layer).
     ``skip_layers`` are left uncompressed (their memory grows with the input);
-    ``None`` means :func:`default_skip_layers`, the first 30% of layers.
+    ``None`` means :func:`default_skip_layers`: the first 30% (at least two) of the
+    full-attention layers, counted by :meth:`for_model` (all layers by :meth:`resolved` alone).
     ``layer_budgets`` (``{layer: budget}``) overrides the budget of single layers.
 
     ``early_factor=N`` bounds every layer instead: nothing is skipped and the
-    first 30% of layers hold ``N * budget`` tokens (with 8, memory at budget 512
+    first 30% of the full-attention layers hold ``N * budget`` tokens (with 8, memory at budget 512
     stops growing past 4096 tokens; README, Results). It replaces
     ``skip_layers`` and ``layer_budgets``, so it cannot be combined with them."""
 
@@ -129,17 +141,23 @@ class EvictionConfig:
         """The recent window of a layer holding ``budget`` tokens."""
         return auto_recent(budget) if self.recent_auto else self.recent
 
-    def resolved(self, n_layers: int) -> "EvictionConfig":
+    def for_model(self, model: Any) -> "EvictionConfig":
+        """:meth:`resolved` for ``model``, its default layers counted among its
+        full-attention layers."""
+        return self.resolved(len(model.layers), full_attention_layers(model))
+
+    def resolved(self, n_layers: int, full_layers: Optional[Sequence[int]] = None) -> "EvictionConfig":
         """This config with its layer layout made explicit for a model of ``n_layers``
         (``skip_layers``, and ``layer_budgets`` for ``early_factor``), checked against
         it (a ValueError names an index out of range)."""
         config = self
         recent = None if self.recent_auto else self.recent
         if self.early_factor is not None:
-            early = {} if self.budget is None else {i: self.early_factor * self.budget for i in early_layers(n_layers)}
+            early = ({} if self.budget is None
+                     else {i: self.early_factor * self.budget for i in early_layers(n_layers, full_layers)})
             config = replace(self, skip_layers=(), layer_budgets=early or None, early_factor=None, recent=recent)
         elif self.skip_layers is None:
-            config = replace(self, skip_layers=default_skip_layers(n_layers), recent=recent)
+            config = replace(self, skip_layers=default_skip_layers(n_layers, full_layers), recent=recent)
         for what, layers in (("skip_layers", config.skip_layers), ("layer_budgets", config.layer_budgets or {})):
             for i in layers:
                 if not -n_layers <= i < n_layers:

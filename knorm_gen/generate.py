@@ -37,7 +37,7 @@ class GenerationResult:
     ``tokens_seen`` is the number of positions the cache processed (prompt plus
     every generated token fed back, read from the cache's offset);
     ``tokens_kept`` the positions a layer at the base ``budget`` holds (the fewest
-    any compressed layer holds: the default gives the first 30% of layers 8x the
+    any compressed layer holds: ``early_factor`` gives the first 30% of layers more than the
     budget, and ``layer_budgets`` may give others more; ``kept_bytes`` counts them all);
     ``compression_ratio = full_bytes / kept_bytes`` over all layers;
     ``kv_ceiling_bytes`` the most this configuration can ever hold for one row
@@ -138,7 +138,7 @@ def _check_length(model: Any, n_prompt: int) -> None:
 
 def _configs(model: Any, eviction, generation, settings) -> tuple[EvictionConfig, GenerationConfig]:
     eviction, generation = make_configs(eviction, generation, **settings)
-    return eviction.resolved(len(model.layers)), generation
+    return eviction.for_model(model), generation
 
 
 def _sampler(generation: GenerationConfig):

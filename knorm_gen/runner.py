@@ -177,7 +177,7 @@ class _Context:
 
     def row_settings(self, row: rec.Row) -> tuple[EvictionConfig, GenerationConfig, dict]:
         eviction, generation = row_configs(self.options, row)
-        eviction = eviction.resolved(len(self.model.layers))
+        eviction = eviction.for_model(self.model)
         return eviction, generation, record_config(eviction, generation)
 
     def expected_fingerprint(self, row: rec.Row) -> Optional[str]:

@@ -409,6 +409,12 @@ def test_default_skip_layers_are_the_first_30_percent(tiny_model):
     caches = make_eviction_cache(model, config)
     assert [type(c) is KVCache for c in caches] == [True] * 3 + [False] * 7
     assert kv_memory(model, config).ceiling_bytes is None  # the skipped layers grow with the input
+    # counted among the full-attention layers: sliding-window layers are never compressed anyway
+    types = ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"] * 2
+    hybrid = tiny_llama(layers=9, layer_types=types, sliding_window=8)
+    assert EvictionConfig(budget=8).for_model(hybrid).skip_layers == (3, 5)
+    caches = make_eviction_cache(hybrid, EvictionConfig(budget=8))
+    assert [i for i, c in enumerate(caches) if isinstance(c, L2NormKVCache)] == [6, 8]
 
 
 def test_early_factor_bounds_every_layer():
