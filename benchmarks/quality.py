@@ -46,12 +46,12 @@ import knorm_gen  # noqa: F401  (BLAS preload first)
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import stream_generate
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from knorm_gen import EvictionConfig, L2NormKVCache, cache_stats, make_eviction_cache
 from knorm_gen.batched import answer_questions
 from knorm_gen.cache import copy_caches
-from knorm_gen.config import default_skip_layers
+from knorm_gen.config import default_skip_layers, full_attention_layers
 from knorm_gen.corpus import pydoc_sections, text_of_tokens
 from knorm_gen.generate import generate_with_eviction, split_question_prompts
 from knorm_gen.models import load_model
@@ -69,7 +69,7 @@ class Arms:
     def __init__(self, model, probe_skip: list[int]):
         self.model = model
         self.n = len(model.layers)
-        self.full_layers = [i for i, c in enumerate(make_prompt_cache(model)) if type(c) is KVCache]
+        self.full_layers = full_attention_layers(model)
         self.probe_skip = tuple(probe_skip)
         self.early = default_skip_layers(self.n)
 

@@ -17,12 +17,13 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any, BinaryIO, Callable, Iterator, Optional, Sequence
 
 from tqdm import tqdm
 
 from . import records as rec
-from .config import EvictionConfig, GenerationConfig, make_configs
+from .config import EvictionConfig, GenerationConfig, full_attention_layers, make_configs
 from .distributed import Group, shard_of
 from .files import FileUsageError
 
@@ -175,9 +176,13 @@ class _Context:
     eviction: EvictionConfig  # resolved for the model
     base_config: dict
 
+    @cached_property
+    def full_layers(self) -> list[int]:
+        return full_attention_layers(self.model)  # once per run, not once per row of the resume scan
+
     def row_settings(self, row: rec.Row) -> tuple[EvictionConfig, GenerationConfig, dict]:
         eviction, generation = row_configs(self.options, row)
-        eviction = eviction.for_model(self.model)
+        eviction = eviction.resolved(len(self.model.layers), self.full_layers)
         return eviction, generation, record_config(eviction, generation)
 
     def expected_fingerprint(self, row: rec.Row) -> Optional[str]:
