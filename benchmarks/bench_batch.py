@@ -25,7 +25,7 @@ from mlx_lm.generate import batch_generate
 
 from knorm_gen import EvictionConfig, GenerationConfig, generate_batch_with_eviction, generate_with_eviction
 from knorm_gen.cli import build_configs, load_job
-from knorm_gen.generate import encode_prompt
+from knorm_gen.prompts import encode_prompt
 from knorm_gen.models import load_model
 
 HERE = Path(__file__).parent

@@ -49,11 +49,13 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from knorm_gen import EvictionConfig, L2NormKVCache, cache_stats, make_eviction_cache
-from knorm_gen.batched import answer_questions
+from knorm_gen import answer_questions
 from knorm_gen.cache import copy_caches
-from knorm_gen.config import default_skip_layers, full_attention_layers
+from knorm_gen.config import early_layers as default_skip_layers
+from knorm_gen.mlx_compat import full_attention_layers
 from knorm_gen.corpus import pydoc_sections, text_of_tokens
-from knorm_gen.generate import generate_with_eviction, split_question_prompts
+from knorm_gen.generate import generate_with_eviction
+from knorm_gen.prompts import split_question_prompts
 from knorm_gen.models import load_model
 from knorm_gen.probe import probe_model
 

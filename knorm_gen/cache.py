@@ -1,66 +1,38 @@
-"""L2Norm key-norm KV-cache eviction on mlx_lm's cache protocol.
+"""L2Norm key-norm KV-cache eviction on mlx_lm's cache protocol: one row, and a batch.
 
 Devoto et al. (arXiv:2406.11430): a key with a low L2 norm tends to draw high
 attention, so when a layer's cache is over budget we keep the lowest-norm keys.
+
+``L2NormKVCache`` holds one layer's keys for one row; ``BatchL2NormKVCache`` the
+same for B rows, and each (row, KV head) selects exactly as the single-row cache
+does on that row alone. As in mlx_lm's own ``KVCache`` / ``BatchKVCache``, the two
+live together and name each other (``merge``, ``extract``); the ranking and
+selection arithmetic they share is in :mod:`knorm_gen.scores`.
+
+Batch layout: row b's valid tokens fill slots ``[0, counts[b])`` for every head
+(the order inside is not time order; attention does not need it). After a
+decode step over budget each (row, head) has one *hole*, the slot it just
+evicted, which the next decode step fills in place, as the single-row cache
+does; any other operation first compacts the holes away. Invalid slots carry
+``PAD`` rank. The mask of a call is per row: the first ``counts[b]`` stored
+slots, then the incoming block causally. Rows may differ in length; padding is
+never kept and never counted.
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
-from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import cache as _mlx_cache
-from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask, make_prompt_cache
 
-from .config import (  # noqa: F401  (re-exported: they lived here first)
-    KEEP_MODES,
-    EvictionConfig,
-    auto_recent,
-    default_skip_layers,
-    early_layers,
-    validate_eviction_args,
-)
-from .scores import SCORES, pack_ranks, protect_recent, rank_positions
-
-_STEP = 256
+from .config import EvictionConfig, ResolvedEviction, validate_eviction_args
+from .mlx_compat import _BaseCache, create_attention_mask, make_prompt_cache, register_cache_class
+from .scores import PAD, PROTECTED, block_ranks, capacity, evict_key, rank_positions
 
 
-def missing_mlx_lm_protocol() -> list[str]:
-    """The pieces of mlx_lm's cache protocol this module relies on that the
-    installed mlx_lm lacks; empty when all are there. pyproject.toml pins the
-    tested range; this names what broke if someone installs another."""
-    from mlx_lm.models import base as _base
-
-    missing = []
-    for name in ("_BaseCache", "KVCache", "RotatingKVCache", "make_prompt_cache", "load_prompt_cache",
-                 "save_prompt_cache", "create_attention_mask"):
-        if not hasattr(_mlx_cache, name):
-            missing.append(f"mlx_lm.models.cache.{name}")
-    if not callable(getattr(getattr(_mlx_cache, "_BaseCache", None), "from_state", None)):
-        missing.append("mlx_lm.models.cache._BaseCache.from_state (load_prompt_cache rebuilds caches with it)")
-    try:
-        if "globals()" not in inspect.getsource(_mlx_cache.load_prompt_cache):
-            missing.append("load_prompt_cache looking cache classes up by name in mlx_lm.models.cache")
-    except (OSError, TypeError, AttributeError):
-        missing.append("the source of mlx_lm.models.cache.load_prompt_cache")
-    wanted = {
-        (_base, "create_attention_mask"): ("h", "cache", "window_size", "return_array"),
-        (_base, "create_causal_mask"): ("N", "offset", "window_size"),
-        (_mlx_cache, "create_attention_mask"): ("N", "offset", "return_array", "window_size"),
-    }
-    for (module, name), params in wanted.items():
-        fn = getattr(module, name, None)
-        have = set(inspect.signature(fn).parameters) if callable(fn) else set()
-        for p in params:
-            if p not in have:
-                missing.append(f"{module.__name__}.{name}(..., {p}=...)")
-    return missing
-
-
+@register_cache_class  # load_prompt_cache rebuilds caches by class name from mlx_lm's cache module
 class L2NormKVCache(_BaseCache):
     """A KV cache holding at most ``budget`` tokens per (batch row, KV head).
 
@@ -74,7 +46,8 @@ class L2NormKVCache(_BaseCache):
     float32, when a token is inserted.
     """
 
-    def __init__(self, budget: int = 512, n_sink: int = 4, recent: int = 0, keep: str = "low"):
+    def __init__(self, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
+                 keep: str = EvictionConfig.keep):
         validate_eviction_args(budget, n_sink, recent, keep)
         self.budget, self.n_sink, self.recent, self.keep = budget, n_sink, recent, keep
         self.keys: Optional[mx.array] = None
@@ -92,7 +65,7 @@ class L2NormKVCache(_BaseCache):
     # ---- mlx_lm protocol -------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         n = keys.shape[2]
-        rank = self._rank(keys, self.offset)
+        rank = block_ranks(self.keep, self.n_sink, keys, self.offset)
         self.offset += n
         if self.pinned or self.count + n <= self.budget:
             self._compact()
@@ -171,7 +144,7 @@ class L2NormKVCache(_BaseCache):
         """Tokens evicted so far, per (batch row, KV head)."""
         return self.offset - self.count
 
-    def _row_bytes(self) -> int:
+    def bytes_per_position(self) -> int:
         if self.keys is None:
             return 0
         b, h, _, dk = self.keys.shape
@@ -180,12 +153,12 @@ class L2NormKVCache(_BaseCache):
     @property
     def kept_bytes(self) -> int:
         """Key and value bytes of the rows held."""
-        return self.count * self._row_bytes()
+        return self.count * self.bytes_per_position()
 
     @property
     def full_bytes(self) -> int:
         """Key and value bytes an unbounded cache would hold for the same tokens."""
-        return self.offset * self._row_bytes()
+        return self.offset * self.bytes_per_position()
 
     # ---- user-facing extras ---------------------------------------------------
     def pin(self) -> None:
@@ -193,12 +166,10 @@ class L2NormKVCache(_BaseCache):
         self.pinned = True
 
     @classmethod
-    def merge(cls, caches: Sequence["L2NormKVCache"]):
-        """A :class:`~knorm_gen.batch_cache.BatchL2NormKVCache` of these single-row
-        caches. mlx_lm batches caches through ``merge``; the one inherited from
-        ``KVCache`` would build a plain ``BatchKVCache`` and silently stop evicting."""
-        from .batch_cache import BatchL2NormKVCache
-
+    def merge(cls, caches: Sequence["L2NormKVCache"]) -> "BatchL2NormKVCache":
+        """A :class:`BatchL2NormKVCache` of these single-row caches. mlx_lm batches
+        caches through ``merge``; the one inherited from ``KVCache`` would build a
+        plain ``BatchKVCache`` and silently stop evicting."""
         return BatchL2NormKVCache.merge(caches)
 
     def copy(self) -> "L2NormKVCache":
@@ -209,7 +180,7 @@ class L2NormKVCache(_BaseCache):
 
     def ordered_state(self) -> tuple[mx.array, mx.array, mx.array]:
         """Kept ``(keys, values, positions)`` per head, sorted by position."""
-        keys, values, rank = self._rows()
+        keys, values, rank = self.held()
         pos = rank_positions(rank)
         order = mx.argsort(pos, axis=-1)
         return (
@@ -218,17 +189,9 @@ class L2NormKVCache(_BaseCache):
             mx.take_along_axis(pos, order, axis=-1),
         )
 
-    # ---- internals -------------------------------------------------------------
-    def _rank(self, keys: mx.array, start: int) -> mx.array:
-        """int64 rank per incoming token; ascending = kept first."""
-        positions = mx.arange(start, start + keys.shape[2], dtype=mx.int64)[None, None]
-        return pack_ranks(SCORES[self.keep](keys, positions), positions, self.n_sink)
-
-    def _evict_key(self, rank: mx.array) -> mx.array:
-        return rank if self.recent == 0 else protect_recent(rank, self.offset - self.recent)
-
-    def _rows(self) -> tuple[mx.array, mx.array, mx.array]:
-        """The held rows without the evicted slot (stored order, not time order)."""
+    def held(self) -> tuple[mx.array, mx.array, mx.array]:
+        """The held ``(keys, values, ranks)`` without the evicted slot (stored order,
+        not time order)."""
         if self.free is None:
             return tuple(a[:, :, : self.count] for a in (self.keys, self.values, self.rank))
         slots = mx.arange(self.count, dtype=mx.int32)
@@ -239,21 +202,21 @@ class L2NormKVCache(_BaseCache):
             mx.take_along_axis(self.rank, idx, axis=-1),
         )
 
+    # ---- internals -------------------------------------------------------------
+    def _evict_key(self, rank: mx.array) -> mx.array:
+        return evict_key(rank, self.offset, self.recent)
+
     def _compact(self) -> None:
         if self.free is not None:
-            self.keys, self.values, self.rank = self._rows()
+            self.keys, self.values, self.rank = self.held()
             self.free = None
-
-    def _capacity(self, rows: int) -> int:
-        cap = -(-rows // _STEP) * _STEP
-        return cap if self.pinned else max(rows, min(cap, self.budget + 1))
 
     def _append(self, keys, values, rank) -> None:
         n = keys.shape[2]
         cap = 0 if self.keys is None else self.keys.shape[2]
         if self.count + n > cap:
             b, h = keys.shape[:2]
-            grow = self._capacity(self.count + n) - cap
+            grow = capacity(self.count + n, self.budget, self.pinned) - cap
             new = (
                 mx.zeros((b, h, grow, keys.shape[3]), keys.dtype),
                 mx.zeros((b, h, grow, values.shape[3]), values.dtype),
@@ -294,7 +257,7 @@ class L2NormKVCache(_BaseCache):
             all_k, all_v, all_r = keys, values, rank
         else:
             all_k, all_v, all_r = (
-                mx.concatenate([a, b], axis=2) for a, b in zip(self._rows(), (keys, values, rank))
+                mx.concatenate([a, b], axis=2) for a, b in zip(self.held(), (keys, values, rank))
             )
         keep = mx.argpartition(self._evict_key(all_r), kth=self.budget - 1, axis=-1)[..., : self.budget]
         b, h = keys.shape[:2]
@@ -307,139 +270,306 @@ class L2NormKVCache(_BaseCache):
         return all_k, all_v
 
 
-# load_prompt_cache rebuilds caches by class name from mlx_lm's cache module.
-_mlx_cache.L2NormKVCache = L2NormKVCache
+@register_cache_class
+class BatchL2NormKVCache(_BaseCache):
+    """One layer's eviction cache for a batch of rows (see the module docstring)."""
+
+    per_row_mask = True  # rows differ in what they hold: see mlx_compat.own_layer_masks
+
+    def __init__(self, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
+                 keep: str = EvictionConfig.keep,
+                 batch_size: int = 0, pinned: Optional[Sequence[bool]] = None):
+        validate_eviction_args(budget, n_sink, recent, keep)
+        self.budget, self.n_sink, self.recent, self.keep = budget, n_sink, recent, keep
+        # Per row: a pinned row (a question over its compressed context) keeps every
+        # later token, so question rows and prompt rows can share one batch.
+        self.pinned: list[bool] = [False] * batch_size if pinned is None else [bool(p) for p in pinned]
+        self.keys: Optional[mx.array] = None  # (B, H, capacity, D)
+        self.values: Optional[mx.array] = None
+        self.rank: Optional[mx.array] = None  # (B, H, capacity) int64
+        self.counts: list[int] = [0] * batch_size  # valid slots per row
+        self.seen: list[int] = [0] * batch_size  # true positions per row (RoPE offset)
+        self.holes: list[bool] = [False] * batch_size
+        self.free: Optional[mx.array] = None  # (B, H) the hole of each (row, head)
+        self._lengths: Optional[list[int]] = None  # prepare(): real tokens per row, padded call
+        self._consumed = 0
+        self._sync_offset()
+
+    # ---- mlx_lm batch protocol -----------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return len(self.counts)
+
+    def _sync_offset(self) -> None:
+        self.offset = mx.array(self.seen, dtype=mx.int32)
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
+        """Before a right-padded prefill call: ``lengths`` real tokens per row."""
+        if left_padding is not None and max(_as_list(left_padding), default=0) > 0:
+            raise ValueError("BatchL2NormKVCache takes right-padded prompts (mlx_lm's BatchGenerator), "
+                             "not left padding")
+        if right_padding is not None and max(_as_list(right_padding), default=0) > 0:
+            if lengths is None:
+                raise ValueError("right padding needs the rows' lengths")
+            self._lengths, self._consumed = _as_list(lengths), 0
+
+    def finalize(self) -> None:
+        self._lengths, self._consumed = None, 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        b, h, n, _ = keys.shape
+        if b != self.batch_size:
+            raise ValueError(f"a block of {b} rows for a cache of {self.batch_size}")
+        if self.keys is None:
+            self._allocate(h, keys.shape[3], values.shape[3], keys.dtype, 0)
+        if n == 1 and self._lengths is None:
+            return self._decode(keys, values)
+        real = ([n] * b if self._lengths is None
+                else [min(max(length - self._consumed, 0), n) for length in self._lengths])
+        self._consumed += n
+        return self._block(keys, values, real)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
+        """Boolean ``(B, 1, N, keys)`` for the keys the next update returns."""
+        counts = mx.array(self.counts, dtype=mx.int32)[:, None]
+        if N == 1 and self._lengths is None:
+            width = max(self.counts, default=0) + 1
+            return (mx.arange(width)[None, :] < counts + 1)[:, None, None, :]
+        width = max(self.counts, default=0)
+        stored = mx.arange(width)[None, :] < counts  # (B, width)
+        causal = mx.arange(N)[None, :] <= mx.arange(N)[:, None]  # (N, N)
+        stored = mx.broadcast_to(stored[:, None, None, :], (self.batch_size, 1, N, width))
+        causal = mx.broadcast_to(causal[None, None], (self.batch_size, 1, N, N))
+        return mx.concatenate([stored, causal], axis=-1)
+
+    def filter(self, batch_indices: Sequence[int]) -> None:
+        """Keep only the given rows, in that order."""
+        idx = [int(i) for i in _as_list(batch_indices)]
+        if self.keys is not None:
+            sel = mx.array(idx, dtype=mx.int32)
+            self.keys, self.values, self.rank = self.keys[sel], self.values[sel], self.rank[sel]
+            if self.free is not None:
+                self.free = self.free[sel]
+        self.counts = [self.counts[i] for i in idx]
+        self.seen = [self.seen[i] for i in idx]
+        self.holes = [self.holes[i] for i in idx]
+        self.pinned = [self.pinned[i] for i in idx]
+        self._sync_offset()
+
+    def extend(self, other: "BatchL2NormKVCache") -> None:
+        """Append the rows of ``other`` (same settings) after this cache's rows."""
+        if not isinstance(other, BatchL2NormKVCache) or _settings(other) != _settings(self):
+            raise ValueError("can only extend with a BatchL2NormKVCache of the same settings")
+        if other.keys is not None or self.keys is not None:
+            template = self if self.keys is not None else other
+            shape = template.keys.shape
+            for c in (self, other):
+                if c.keys is None:
+                    c._allocate(shape[1], shape[3], template.values.shape[3], template.keys.dtype, 0)
+            cap = max(self.keys.shape[2], other.keys.shape[2])
+            self._grow_to(cap)
+            other._grow_to(cap)
+            self.free = mx.concatenate([self._free_or_zero(), other._free_or_zero()])
+            self.keys = mx.concatenate([self.keys, other.keys])
+            self.values = mx.concatenate([self.values, other.values])
+            self.rank = mx.concatenate([self.rank, other.rank])
+        self.counts += other.counts
+        self.seen += other.seen
+        self.holes += other.holes
+        self.pinned += other.pinned
+        self._sync_offset()
+
+    def extract(self, idx: int) -> L2NormKVCache:
+        """Row ``idx`` as a single-row :class:`L2NormKVCache`."""
+        self._compact()
+        single = L2NormKVCache(self.budget, self.n_sink, self.recent, self.keep)
+        single.offset, single.count, single.pinned = self.seen[idx], self.counts[idx], self.pinned[idx]
+        n = self.counts[idx]
+        if self.keys is not None and n:
+            single.keys = mx.contiguous(self.keys[idx : idx + 1, :, :n])
+            single.values = mx.contiguous(self.values[idx : idx + 1, :, :n])
+            single.rank = mx.contiguous(self.rank[idx : idx + 1, :, :n])
+        return single
+
+    @classmethod
+    def merge(cls, caches: Sequence[Any]) -> "BatchL2NormKVCache":
+        """One batch cache from single-row ``L2NormKVCache`` layers of the same settings."""
+        first = caches[0]
+        if any(_settings(c) != _settings(first) for c in caches):
+            raise ValueError("cannot batch eviction caches with different budget/n_sink/recent/keep")
+        out = cls(first.budget, first.n_sink, first.recent, first.keep, batch_size=len(caches),
+                  pinned=[c.pinned for c in caches])
+        held = [c for c in caches if not c.empty() and c.count]
+        out.seen = [c.offset for c in caches]
+        out.counts = [0 if c.empty() else c.count for c in caches]
+        out._sync_offset()
+        if not held:
+            return out
+        k0, v0 = held[0].keys, held[0].values
+        width = max(out.counts)
+        out._allocate(k0.shape[1], k0.shape[3], v0.shape[3], k0.dtype, width)
+        keys, values, ranks = [], [], []
+        for c, n in zip(caches, out.counts):
+            if n:
+                k, v, r = c.held()
+            else:
+                k = mx.zeros((1, k0.shape[1], 0, k0.shape[3]), k0.dtype)
+                v = mx.zeros((1, v0.shape[1], 0, v0.shape[3]), v0.dtype)
+                r = mx.zeros((1, k0.shape[1], 0), mx.int64)
+            pad = width - n
+            keys.append(mx.pad(k, [(0, 0), (0, 0), (0, pad), (0, 0)]))
+            values.append(mx.pad(v, [(0, 0), (0, 0), (0, pad), (0, 0)]))
+            ranks.append(mx.pad(r, [(0, 0), (0, 0), (0, pad)], constant_values=PAD))
+        out.keys, out.values, out.rank = (mx.concatenate(x) for x in (keys, values, ranks))
+        return out
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.rank, self.offset
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.rank, self.offset = v
+        self.seen = [int(x) for x in _as_list(self.offset)]
+
+    def size(self) -> int:
+        return max(self.counts, default=0)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes + self.rank.nbytes
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n: int) -> int:
+        return 0
+
+    # ---- internals -------------------------------------------------------------
+    def _allocate(self, heads: int, dk: int, dv: int, dtype, capacity: int) -> None:
+        b = self.batch_size
+        self.keys = mx.zeros((b, heads, capacity, dk), dtype)
+        self.values = mx.zeros((b, heads, capacity, dv), dtype)
+        self.rank = mx.full((b, heads, capacity), PAD, dtype=mx.int64)
+
+    def _grow_to(self, capacity: int) -> None:
+        grow = capacity - self.keys.shape[2]
+        if grow <= 0:
+            return
+        b, h, _, dk = self.keys.shape
+        self.keys = mx.concatenate([self.keys, mx.zeros((b, h, grow, dk), self.keys.dtype)], axis=2)
+        self.values = mx.concatenate(
+            [self.values, mx.zeros((b, h, grow, self.values.shape[3]), self.values.dtype)], axis=2)
+        self.rank = mx.concatenate([self.rank, mx.full((b, h, grow), PAD, dtype=mx.int64)], axis=2)
+
+    def _free_or_zero(self) -> mx.array:
+        if self.free is None:
+            return mx.zeros(self.keys.shape[:2], dtype=mx.uint32)
+        return self.free
+
+    def _compact(self) -> None:
+        """Close the decode holes: valid slots first, by rank (PAD sorts last)."""
+        if not any(self.holes):
+            return
+        width = max(c + h for c, h in zip(self.counts, self.holes))
+        order = mx.argsort(self.rank[:, :, :width], axis=-1)
+        self.keys = mx.take_along_axis(self.keys[:, :, :width], order[..., None], axis=2)
+        self.values = mx.take_along_axis(self.values[:, :, :width], order[..., None], axis=2)
+        self.rank = mx.take_along_axis(self.rank[:, :, :width], order, axis=-1)
+        self.holes = [False] * self.batch_size
+        self.free = None
+
+    def _decode(self, keys: mx.array, values: mx.array):
+        counts = mx.array(self.counts, dtype=mx.int32)
+        slot = mx.broadcast_to(counts[:, None], keys.shape[:2])
+        if any(self.holes):
+            slot = mx.where(mx.array(self.holes)[:, None], self.free.astype(mx.int32), slot)
+        need = max((c + 1 for c, hole in zip(self.counts, self.holes) if not hole), default=0)
+        if need > self.keys.shape[2]:
+            self._grow_to(capacity(need, self.budget, any(self.pinned)))
+        rank = block_ranks(self.keep, self.n_sink, keys, mx.array(self.seen, dtype=mx.int64))
+        at = slot[..., None, None]
+        self.keys = mx.put_along_axis(self.keys, at, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, at, values, axis=2)
+        self.rank = mx.put_along_axis(self.rank, slot[..., None], rank, axis=2)
+        width = max(self.counts) + 1
+        self.seen = [s + 1 for s in self.seen]
+        self._sync_offset()
+        out = self.keys[:, :, :width], self.values[:, :, :width]
+        # Evict after attending: each over-budget (row, head) drops its worst rank into a hole.
+        over = [not pinned and c + 1 > self.budget for c, pinned in zip(self.counts, self.pinned)]
+        self.counts = [self.budget if o else c + 1 for c, o in zip(self.counts, over)]
+        if any(over):
+            valid = mx.arange(width)[None, :] < (counts + 1)[:, None]  # (B, width)
+            key = self._evict_key(self.rank[:, :, :width])
+            key = mx.where(valid[:, None, :], key, PROTECTED)
+            victim = mx.argmax(key, axis=-1).astype(mx.uint32)  # (B, H)
+            over_rows = mx.array(over)[:, None]
+            dropped = mx.put_along_axis(self.rank, victim[..., None].astype(mx.int32),
+                                        mx.array(PAD, dtype=mx.int64), axis=2)
+            self.rank = mx.where(over_rows[..., None], dropped, self.rank)
+            self.free = mx.where(over_rows, victim, self._free_or_zero())
+        self.holes = over
+        return out
+
+    def _evict_key(self, rank: mx.array) -> mx.array:
+        """Ranks with each row's recent window protected (PAD stays PAD)."""
+        return evict_key(rank, mx.array(self.seen, dtype=mx.int64), self.recent)
+
+    def _block(self, keys: mx.array, values: mx.array, real: list[int]):
+        self._compact()
+        b, h, n, _ = keys.shape
+        width = max(self.counts, default=0)
+        rank = block_ranks(self.keep, self.n_sink, keys, mx.array(self.seen, dtype=mx.int64))
+        if any(r < n for r in real):  # right padding: never kept, never counted
+            is_pad = mx.arange(n)[None, :] >= mx.array(real)[:, None]
+            rank = mx.where(is_pad[:, None, :], PAD, rank)
+        all_k = mx.concatenate([self.keys[:, :, :width], keys], axis=2)
+        all_v = mx.concatenate([self.values[:, :, :width], values], axis=2)
+        all_r = mx.concatenate([self.rank[:, :, :width], rank], axis=2)
+        self.seen = [s + r for s, r in zip(self.seen, real)]
+        self._sync_offset()
+        total = [c + r for c, r in zip(self.counts, real)]
+        self.counts = [t if pinned else min(t, self.budget) for t, pinned in zip(total, self.pinned)]
+        keep = max(self.counts, default=0)
+        order = mx.argsort(self._evict_key(all_r), axis=-1)[..., :keep]
+        self.keys = mx.take_along_axis(all_k, order[..., None], axis=2)
+        self.values = mx.take_along_axis(all_v, order[..., None], axis=2)
+        kept = mx.take_along_axis(all_r, order, axis=-1)
+        # A row holding fewer than the widest keeps PAD in its tail slots.
+        valid = mx.arange(keep)[None, :] < mx.array(self.counts)[:, None]
+        self.rank = mx.where(valid[:, None, :], kept, PAD)
+        return all_k, all_v
 
 
-def make_eviction_cache(model: nn.Module, config: EvictionConfig | None = None) -> list:
-    """A fresh per-layer cache list: the model's own caches, with each plain
-    full-attention ``KVCache`` outside ``skip_layers`` replaced by an
-    ``L2NormKVCache``. Rotating (sliding-window) and non-attention caches stay."""
+def _settings(c: Any) -> tuple:
+    return (c.budget, c.n_sink, c.recent, c.keep)
+
+
+def _as_list(x: Any) -> list:
+    if isinstance(x, mx.array):
+        return x.tolist()
+    return list(x)
+
+
+def make_eviction_cache(model: nn.Module, config: Union[EvictionConfig, ResolvedEviction, None] = None) -> list:
+    """A fresh per-layer cache list: the model's own caches, with each layer the
+    resolved config compresses (a plain full-attention ``KVCache`` outside
+    ``skip_layers``) replaced by an ``L2NormKVCache``. Rotating (sliding-window)
+    and non-attention caches stay. ``config`` may be given resolved
+    (:meth:`EvictionConfig.for_model`); it is then taken as it is."""
     caches = make_prompt_cache(model)
-    full = [i for i, c in enumerate(caches) if type(c) is KVCache]
-    config = (config or EvictionConfig()).resolved(len(caches), full)
-    if config.budget is None:
-        return caches
-    n = len(caches)  # resolved() has checked every index against it
-    skip = {i % n for i in config.skip_layers}
-    budgets = {i % n: b for i, b in (config.layer_budgets or {}).items()}
-    out = []
-    for i, c in enumerate(caches):
-        if type(c) is KVCache and i not in skip:
-            b = budgets.get(i, config.budget)
-            recent = config.recent if i not in budgets else config.layer_recent(b)
-            c = L2NormKVCache(b, config.n_sink, recent, config.keep)
-        out.append(c)
-    return out
-
-
-@dataclass
-class CacheStats:
-    """Totals over a cache list. Bytes are keys + values over all layers.
-
-    ``ceiling_bytes`` is the most this cache list can ever hold whatever the
-    input length, or None when a layer keeps every token (a plain ``KVCache``,
-    e.g. a skipped layer): then memory grows with the input.
-    """
-
-    tokens_seen: int
-    tokens_kept: int
-    kept_bytes: int
-    full_bytes: int
-    compressed_layers: int
-    ceiling_bytes: Optional[int] = None
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.full_bytes / self.kept_bytes if self.kept_bytes else 1.0
-
-
-def _layer_bytes(c: Any) -> tuple[int, int, int, int]:
-    """(tokens_seen, kept_bytes, full_bytes, bytes per position) of one layer's cache."""
-    if isinstance(c, L2NormKVCache):
-        return c.tokens_seen, c.kept_bytes, c.full_bytes, c._row_bytes()
-    keys = getattr(c, "keys", None)
-    offset = getattr(c, "offset", None)
-    if isinstance(keys, mx.array) and isinstance(offset, int) and keys.shape[2]:
-        row = (keys.nbytes + c.values.nbytes) // keys.shape[2]
-        return offset, c.size() * row, offset * row, row
-    nbytes = 0 if c.empty() else c.nbytes
-    return (offset or 0), nbytes, nbytes, 0
-
-
-def layer_capacity(c: Any) -> Optional[int]:
-    """Positions a layer's cache can ever hold (None: every token, no ceiling).
-    A pinned eviction cache (a question over a compressed context) counts at its
-    budget: the question and answer tokens come on top."""
-    if isinstance(c, L2NormKVCache):
-        return c.budget
-    max_size = getattr(c, "max_size", None)  # RotatingKVCache: a sliding window
-    if isinstance(max_size, int):
-        return max_size
-    return None if isinstance(c, KVCache) else 0
-
-
-def cache_stats(caches: Iterable[Any]) -> CacheStats:
-    """Honest accounting over every layer (skipped layers count at full size)."""
-    seen = kept = kept_b = full_b = compressed = ceiling = 0
-    bounded = True
-    for c in caches:
-        s, kb, fb, row = _layer_bytes(c)
-        seen = max(seen, s)
-        kept_b += kb
-        full_b += fb
-        cap = layer_capacity(c)
-        if cap is None:
-            bounded = False
-        else:
-            ceiling += cap * row if row else kb
-        if isinstance(c, L2NormKVCache):
-            compressed += 1
-            # the fewest: the layers at the base budget (layer_budgets may give others more)
-            kept = c.tokens_kept if compressed == 1 else min(kept, c.tokens_kept)
-    return CacheStats(seen, kept if compressed else seen, kept_b, full_b, compressed, ceiling if bounded else None)
-
-
-@dataclass
-class KVMemory:
-    """What an eviction config implies for a model's KV memory per row, known
-    before any run: each layer's bytes per position and capacity (None: it
-    keeps every token)."""
-
-    layers: list[tuple[int, Optional[int]]]
-
-    @property
-    def ceiling_bytes(self) -> Optional[int]:
-        """The most one row can ever hold, or None when memory grows with the input."""
-        if any(cap is None for _, cap in self.layers):
-            return None
-        return sum(row * cap for row, cap in self.layers)
-
-    @property
-    def growth_bytes_per_token(self) -> int:
-        """Bytes every further token adds once the bounded layers are full."""
-        return sum(row for row, cap in self.layers if cap is None)
-
-    def bytes_at(self, tokens: int) -> int:
-        """KV bytes held after ``tokens`` positions."""
-        return sum(row * (tokens if cap is None else min(tokens, cap)) for row, cap in self.layers)
-
-    def describe(self) -> str:
-        if self.ceiling_bytes is not None:
-            return f"KV memory per row: at most {self.ceiling_bytes / 2**20:.1f} MiB, whatever the input length"
-        grow = [i for i, (_, cap) in enumerate(self.layers) if cap is None]
-        return (f"KV memory per row: no ceiling: {len(grow)} of {len(self.layers)} layers keep every token "
-                f"(+{self.growth_bytes_per_token / 1024:.1f} KiB per token; "
-                f"{self.bytes_at(8192) / 2**20:.1f} MiB at 8192 tokens)")
-
-
-def kv_memory(model: nn.Module, config: EvictionConfig | None = None) -> KVMemory:
-    """The KV memory ``config`` implies for ``model`` (one token through fresh caches
-    gives each layer's bytes per position in the dtype the model really caches)."""
-    caches = make_eviction_cache(model, config)
-    model(mx.array([[0]]), cache=caches)
-    mx.eval([c.state for c in caches])
-    return KVMemory([(_layer_bytes(c)[3], layer_capacity(c)) for c in caches])
+    if not isinstance(config, ResolvedEviction):
+        config = (config or EvictionConfig()).for_model(model)
+    if config.n_layers != len(caches):
+        raise ValueError(f"these settings were resolved for a model of {config.n_layers} layers, not {len(caches)}")
+    return [c if plan is None else L2NormKVCache(plan[0], config.n_sink, plan[1], config.keep)
+            for c, plan in zip(caches, config.layers)]
 
 
 def copy_caches(caches: Sequence[Any]) -> list:

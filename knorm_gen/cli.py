@@ -1,9 +1,10 @@
 """Command line: ``knorm-batch`` (and ``knorm-probe``). Parse options, call the library.
 
-Every eviction and generation option is a field of :class:`EvictionConfig` or
-:class:`GenerationConfig`; job files use the same names in their ``[eviction]``
-and ``[generation]`` tables, and ``tests/test_cli.py`` checks that each field is
-reachable from both surfaces.
+The eviction and generation options are generated from the fields of
+:class:`~knorm_gen.config.EvictionConfig` and :class:`~knorm_gen.config.GenerationConfig`
+(name, default and help come from each field), and job files use the same names
+in their ``[eviction]`` and ``[generation]`` tables; ``tests/test_cli.py`` checks
+that every field is reachable from both surfaces.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ import os
 import shlex
 import sys
 import traceback
+from dataclasses import MISSING, Field, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import click
 from click.core import ParameterSource
 
 from . import __version__
-from .batch import (
+from .config import EVICTION_FIELDS, GENERATION_FIELDS, EvictionConfig, GenerationConfig, make_configs
+from .job import (
     EXIT_INTERNAL_ERROR,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
@@ -28,101 +31,17 @@ from .batch import (
     Interrupted,
     run_batch,
 )
-from .config import EVICTION_FIELDS, GENERATION_FIELDS, KEEP_MODES, EvictionConfig, GenerationConfig
 
 RUN_KEYS = ("input", "output", "model", "batch_size", "stats_log", "summary_json", "limit")
 JOB_KEYS = {None: RUN_KEYS, "eviction": EVICTION_FIELDS, "generation": GENERATION_FIELDS}
 JOB_PATHS = ("input", "output", "stats_log", "summary_json")
+CONFIG_FIELDS = {f.name: f for f in (*fields(EvictionConfig), *fields(GenerationConfig))}
 
 
 class UsageFailure(click.ClickException):
     """A problem found before any work starts: exit status 2, no usage dump."""
 
     exit_code = EXIT_USAGE
-
-
-def parse_budget(value: Any) -> Optional[int]:
-    """``none``/``full`` (or None) = full cache, else an integer >= 1."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "full")):
-        return None
-    if isinstance(value, bool):
-        raise ValueError(f"budget must be an integer >= 1 or 'none', got {value!r}")
-    try:
-        budget = int(value)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"budget must be an integer >= 1 or 'none', got {value!r}") from None
-    if budget < 1 or (isinstance(value, float) and value != budget):
-        raise ValueError(f"budget must be an integer >= 1 or 'none', got {value!r}")
-    return budget
-
-
-def _layer_list(text: str, what: str) -> list[int]:
-    """``0,1`` or ``0-8`` (inclusive ranges) to a list of layer indices."""
-    message = f"{what} must be layer indices like '0,1' or '0-8'; got {text!r}"
-    items: list[int] = []
-    for part in (p.strip() for p in text.split(",")):
-        lo, dash, hi = part.partition("-")
-        if dash and lo.strip().isdigit() and hi.strip().isdigit():
-            if int(hi) < int(lo):
-                raise ValueError(f"{what}: the range {part!r} is empty; write it low-high, e.g. "
-                                 f"'{hi.strip()}-{lo.strip()}'")
-            items.extend(range(int(lo), int(hi) + 1))
-        else:
-            try:
-                items.append(int(part))
-            except ValueError:
-                raise ValueError(message) from None
-    return items
-
-
-def parse_skip_layers(value: Any) -> tuple[int, ...]:
-    """``0,1``, ``0-8`` (a range, inclusive) or a list of integers; ``none`` or
-    empty = compress every layer."""
-    if isinstance(value, (list, tuple)):
-        if any(isinstance(i, bool) or not isinstance(i, int) for i in value):
-            raise ValueError(f"skip_layers must be layer indices like '0,1' or '0-8', or 'none'; got {value!r}")
-        return tuple(value)
-    if not isinstance(value, str):
-        raise ValueError(f"skip_layers must be a comma-separated list of layer indices or 'none', got {value!r}")
-    if value.strip().lower() in ("none", ""):
-        return ()
-    return tuple(_layer_list(value, "skip_layers"))
-
-
-def parse_layer_budgets(value: Any) -> Optional[dict[int, int]]:
-    """``2-8:512,20:128`` (layers:budget) or a table ``{"2": 512}``; ``none`` = no overrides."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "")):
-        return None
-    out: dict[int, int] = {}
-    if isinstance(value, dict):
-        for layer, budget in value.items():
-            try:
-                out[int(layer)] = budget
-            except (TypeError, ValueError):
-                raise ValueError(f"layer_budgets keys must be layer indices, got {layer!r}") from None
-        return out
-    if not isinstance(value, str):
-        raise ValueError(f"layer_budgets must look like '2-8:512,20:128', got {value!r}")
-    for part in _budget_parts(value):
-        layers, colon, budget = part.rpartition(":")
-        if not colon or not budget.strip().isdigit():
-            raise ValueError(f"layer_budgets must look like '2-8:512,20:128' (layers:budget), got {value!r}")
-        for layer in _layer_list(layers, "layer_budgets"):
-            out[layer] = int(budget)
-    return out
-
-
-def _budget_parts(value: str) -> list[str]:
-    # "2-8:512,20:128": a comma starts a new part only after a ":budget".
-    parts, current = [], ""
-    for piece in value.split(","):
-        current = f"{current},{piece}" if current else piece
-        if ":" in piece:
-            parts.append(current.strip())
-            current = ""
-    if current:
-        parts.append(current.strip())
-    return parts
 
 
 class _Parsed(click.ParamType):
@@ -138,13 +57,39 @@ class _Parsed(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+_TYPES = {"int": click.INT, "Optional[int]": click.INT, "float": click.FLOAT, "str": click.STRING}
+
+
+def _config_option(f: Field) -> Callable:
+    """One ``click.option`` for a config field, from the field itself."""
+    meta = f.metadata
+    shown = meta.get("default_text") or (None if f.default is None else repr(f.default)
+                                         if isinstance(f.default, str) else str(f.default))
+    kw: dict[str, Any] = dict(help=meta.get("help"), default=None, show_default=shown)
+    name = "--" + f.name.replace("_", "-")
+    if f.type == "Optional[bool]":
+        return click.option(f"{name}/--no-{f.name.replace('_', '-')}", **kw)
+    if meta.get("parse"):
+        kw["type"] = _Parsed(meta.get("metavar") or f.name.upper(), meta["parse"])
+    elif meta.get("choices"):
+        kw["type"] = click.Choice(meta["choices"])
+    else:
+        kw["type"] = _TYPES[f.type]
+    return click.option(name, **kw)
+
+
+def config_options(command: Callable) -> Callable:
+    """Add an option for every field of the two configs."""
+    for f in reversed(list(CONFIG_FIELDS.values())):
+        command = _config_option(f)(command)
+    return command
+
+
 def _expand(path: str) -> str:
     return path if path == "-" else os.path.expanduser(path)
 
 
-def load_job(path: str) -> dict:
-    """A job file's settings as a flat dict. Paths: ``~`` is expanded (environment
-    variables are not), and relative paths resolve against the file's folder."""
+def _read_toml(path: str) -> dict:
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -152,13 +97,15 @@ def load_job(path: str) -> dict:
             import tomli as tomllib
         except ModuleNotFoundError:
             raise UsageFailure("job files need Python 3.11+ or the 'tomli' package (pip install tomli)") from None
-    job_path = Path(path).expanduser()
     try:
-        data = tomllib.loads(job_path.read_text(encoding="utf-8"))
+        return tomllib.loads(Path(path).expanduser().read_text(encoding="utf-8"))
     except OSError as e:
         raise UsageFailure(f"cannot read job file {path}: {e.strerror or e}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise UsageFailure(f"job file {path} is not valid TOML: {e}") from None
+
+
+def _flatten_job(path: str, data: dict) -> dict:
     flat: dict[str, Any] = {}
     for key, value in data.items():
         if key in JOB_KEYS and key is not None and isinstance(value, dict):
@@ -172,26 +119,38 @@ def load_job(path: str) -> dict:
         else:
             allowed = ", ".join(RUN_KEYS) + ", [eviction], [generation]"
             raise UsageFailure(f"job file {path}: unknown key '{key}'; allowed: {allowed}")
+    return flat
+
+
+def _check_run_keys(path: str, flat: dict) -> None:
+    job_dir = Path(path).expanduser().parent
     for key in JOB_PATHS:
         if key in flat:
             if not isinstance(flat[key], str) or not flat[key]:
                 raise UsageFailure(f"job file {path}: '{key}' must be a path string")
             value = _expand(flat[key])
             if value != "-" and not Path(value).is_absolute():
-                value = os.path.normpath(job_path.parent / value)
+                value = os.path.normpath(job_dir / value)
             flat[key] = value
     if "model" in flat and not isinstance(flat["model"], str):
         raise UsageFailure(f"job file {path}: 'model' must be text, got {flat['model']!r}")
     for key in ("limit", "batch_size"):
         if key in flat and (isinstance(flat[key], bool) or not isinstance(flat[key], int)):
             raise UsageFailure(f"job file {path}: '{key}' must be an integer, got {flat[key]!r}")
+
+
+def load_job(path: str) -> dict:
+    """A job file's settings as a flat dict. Paths: ``~`` is expanded (environment
+    variables are not), and relative paths resolve against the file's folder.
+    Config values in text form (``budget = "none"``, ``skip_layers = "0-8"``) are
+    parsed by their field's parser and every value is checked by the configs."""
+    flat = _flatten_job(path, _read_toml(path))
+    _check_run_keys(path, flat)
     try:
-        if "budget" in flat:
-            flat["budget"] = parse_budget(flat["budget"])
-        if "skip_layers" in flat:
-            flat["skip_layers"] = parse_skip_layers(flat["skip_layers"])
-        if "layer_budgets" in flat:
-            flat["layer_budgets"] = parse_layer_budgets(flat["layer_budgets"])
+        for key, value in flat.items():
+            parse = CONFIG_FIELDS[key].metadata.get("parse") if key in CONFIG_FIELDS else None
+            if parse:
+                flat[key] = parse(value)
         build_configs(flat)
     except ValueError as e:
         raise UsageFailure(f"job file {path}: {e}") from None
@@ -200,9 +159,7 @@ def load_job(path: str) -> dict:
 
 def build_configs(settings: dict) -> tuple[EvictionConfig, GenerationConfig]:
     """The two configs from flat settings (missing fields take their defaults)."""
-    eviction = EvictionConfig(**{k: settings[k] for k in EVICTION_FIELDS if k in settings})
-    generation = GenerationConfig(**{k: settings[k] for k in GENERATION_FIELDS if k in settings})
-    return eviction, generation
+    return make_configs(**{k: v for k, v in settings.items() if k in CONFIG_FIELDS})
 
 
 def resume_command(argv: list[str]) -> str:
@@ -216,37 +173,32 @@ class _BatchCommand(click.Command):
         return super().parse_args(ctx, args)
 
 
+def _settings(ctx: click.Context, input_path: Optional[str], job_file: Optional[str], opts: dict) -> dict:
+    """The job file's settings, with what the command line gives on top."""
+    settings: dict[str, Any] = load_job(job_file) if job_file else {}
+    given = {name for name in opts
+             if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
+    if input_path is not None and settings.get("input") and "output" not in given:
+        raise UsageFailure(f"INPUT {input_path} is given on the command line and the job file {job_file} names "
+                           f"its own input ({settings['input']}); to run the job's settings on another input, "
+                           "also give -o/--output, so the job's output is not mixed with other rows")
+    for name, value in opts.items():
+        if name in given or (name not in settings and name not in CONFIG_FIELDS):
+            settings[name] = value
+    if input_path is not None:
+        settings["input"] = input_path
+    if not settings.get("input"):
+        raise click.UsageError("missing INPUT (a JSONL file or '-'), or a --job file that names one")
+    return settings
+
+
 @click.command(cls=_BatchCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("input_path", metavar="INPUT", required=False)
 @click.option("-o", "--output", help="Output JSONL. Default: <input stem>.completions.jsonl beside a regular "
               "INPUT file, stdout for stdin or a pipe; '-' = stdout.")
-@click.option("--model", default="default", show_default=True,
+@click.option("--model", default=BatchOptions.model, show_default=True,
               help="'default' (embedded SmolLM2-135M), a .gguf file, or an mlx_lm model path/id.")
-@click.option("--budget", type=_Parsed("INT|none", parse_budget), default="512", show_default=True,
-              help="Tokens kept per compressed layer; 'none' = full cache.")
-@click.option("--n-sink", type=int, default=4, show_default=True, help="Leading tokens never evicted.")
-@click.option("--recent", type=int, default=None,
-              help="Most recent tokens never evicted.  [default: budget // 8]")
-@click.option("--keep", type=click.Choice(KEEP_MODES), default="low", show_default=True,
-              help="low = keep low key norms (the paper); high = ablation; random/recent = baselines.")
-@click.option("--skip-layers", type=_Parsed("LIST|none", parse_skip_layers), default=None,
-              help="Layers left uncompressed (their memory grows with the input), e.g. '0,1' or '0-8'; "
-                   "'none' compresses all.  [default: the first 30% of the full-attention layers, at least two: 0-8 on the embedded model, 5,11 on Gemma 3]")
-@click.option("--layer-budgets", type=_Parsed("LAYERS:INT,...", parse_layer_budgets), default=None,
-              help="Per-layer budgets overriding --budget, e.g. '2-8:1024,20:256'.")
-@click.option("--early-factor", type=int, default=None,
-              help="Bound every layer: nothing skipped, the first 30% of the full-attention layers hold N x --budget "
-                   "(8: a memory ceiling at about today's retrieval; README, Results).")
-@click.option("--max-tokens", type=int, default=256, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None, help="Sampling seed, 0 to 2**64-1 (set before each row).")
-@click.option("--prefill-step-size", type=int, default=512, show_default=True,
-              help="Prompt tokens per forward pass.")
-@click.option("--chat/--no-chat", default=None, help="Apply the chat template to text prompts. Default: when the "
-              "tokenizer has one.")
-@click.option("--question-separator", default="\n\n", show_default="a blank line",
-              help="Text between a context and each question.")
+@config_options
 @click.option("--batch-size", type=int, default=BatchOptions.batch_size, show_default=True,
               help="Rows decoded together (1 = one row at a time, records in input order).")
 @click.option("--stats-log", type=click.Path(dir_okay=False), help="Write per-row stats (no texts) as JSONL.")
@@ -271,29 +223,19 @@ def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optio
     130 interrupted by SIGINT or SIGTERM (rerun to resume), 141 the output pipe
     was closed.
     """
-    settings: dict[str, Any] = {}
-    if job_file:
-        settings.update(load_job(job_file))
-    given = {name for name in opts
-             if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
-    if input_path is not None and settings.get("input") and "output" not in given:
-        raise UsageFailure(f"INPUT {input_path} is given on the command line and the job file {job_file} names "
-                           f"its own input ({settings['input']}); to run the job's settings on another input, "
-                           "also give -o/--output, so the job's output is not mixed with other rows")
-    for name, value in opts.items():
-        if name in given or name not in settings:
-            settings[name] = value
-    if input_path is not None:
-        settings["input"] = input_path
-    if not settings.get("input"):
-        raise click.UsageError("missing INPUT (a JSONL file or '-'), or a --job file that names one")
+    settings = _settings(ctx, input_path, job_file, opts)
     try:
         eviction, generation = build_configs(settings)
     except ValueError as e:
         raise UsageFailure(str(e)) from None
     options = BatchOptions(model=settings["model"], eviction=eviction, generation=generation,
-                           batch_size=settings["batch_size"], overwrite=overwrite, accept_old_records=accept_old_records, limit=settings.get("limit"),
+                           batch_size=settings["batch_size"], overwrite=overwrite,
+                           accept_old_records=accept_old_records, limit=settings.get("limit"),
                            stats_log=settings.get("stats_log"), summary_json=settings.get("summary_json"))
+    _run(ctx, settings, options, quiet)
+
+
+def _run(ctx: click.Context, settings: dict, options: BatchOptions, quiet: bool) -> None:
     from .distributed import group as launch_group
 
     job = launch_group()  # one process unless started by mlx.launch

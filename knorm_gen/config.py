@@ -2,15 +2,20 @@
 
 ``EvictionConfig`` and ``GenerationConfig`` are the single source of truth:
 the Python functions take them (or their fields as keywords), ``knorm-batch``
-derives its options and job-file keys from their fields, and each validates
-itself on construction, so a bad value is refused the same way everywhere.
+generates its options and job-file keys from their fields (name, default and
+help text live in each field's metadata), and each validates itself on
+construction, so a bad value is refused the same way everywhere.
+
+:func:`make_configs` is the only builder. :meth:`EvictionConfig.resolved` makes
+a config explicit for one model's layers (:class:`ResolvedEviction`); the caches
+take that form as it is.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from .scores import SCORES
 
@@ -24,28 +29,16 @@ EARLY_FRACTION = 0.3
 model, compressing layers 2-8 broke passkey retrieval at every length we measured,
 and leaving layers 0-8 (30% of 30) uncompressed restored it (README, Results)."""
 
-DEFAULT_PREFILL_STEP = 512
-DEFAULT_QUESTION_SEPARATOR = "\n\n"
 SEED_LIMIT = 2**64  # mx.random.seed takes an unsigned 64-bit integer
 
 
 def early_layers(n_layers: int, full_layers: Optional[Sequence[int]] = None) -> tuple[int, ...]:
     """The first 30% (at least two, as the paper leaves uncompressed) of the layers
     eviction can compress: the full-attention ones when ``full_layers`` is given
-    (on Gemma 3, global layers 5 and 11 of 5, 11, 17), else all ``n_layers``."""
+    (on Gemma 3, global layers 5 and 11 of 5, 11, 17), else all ``n_layers``.
+    This is what ``skip_layers=None`` means."""
     layers = list(range(n_layers)) if full_layers is None else sorted(full_layers)
     return tuple(layers[: min(len(layers), max(2, round(EARLY_FRACTION * len(layers))))])
-
-
-def full_attention_layers(model: Any) -> list[int]:
-    """The layers whose mlx_lm cache is a plain ``KVCache``: the only ones eviction
-    replaces (sliding-window and SSM caches stay as the model made them)."""
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
-
-    return [i for i, c in enumerate(make_prompt_cache(model)) if type(c) is KVCache]
-
-
-default_skip_layers = early_layers  # what skip_layers=None means
 
 
 def auto_recent(budget: int) -> int:
@@ -84,28 +77,140 @@ def _layer_index(i: Any, what: str) -> int:
     return i
 
 
+# ---- text forms of the structured fields (command line and job files) ---------
+
+
+def parse_budget(value: Any) -> Optional[int]:
+    """``none``/``full`` (or None) = full cache, else an integer >= 1."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "full")):
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"budget must be an integer >= 1 or 'none', got {value!r}")
+    try:
+        budget = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"budget must be an integer >= 1 or 'none', got {value!r}") from None
+    if budget < 1 or (isinstance(value, float) and value != budget):
+        raise ValueError(f"budget must be an integer >= 1 or 'none', got {value!r}")
+    return budget
+
+
+def _layer_list(text: str, what: str) -> list[int]:
+    """``0,1`` or ``0-8`` (inclusive ranges) to a list of layer indices."""
+    message = f"{what} must be layer indices like '0,1' or '0-8'; got {text!r}"
+    items: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        lo, dash, hi = part.partition("-")
+        if dash and lo.strip().isdigit() and hi.strip().isdigit():
+            if int(hi) < int(lo):
+                raise ValueError(f"{what}: the range {part!r} is empty; write it low-high, e.g. "
+                                 f"'{hi.strip()}-{lo.strip()}'")
+            items.extend(range(int(lo), int(hi) + 1))
+        else:
+            try:
+                items.append(int(part))
+            except ValueError:
+                raise ValueError(message) from None
+    return items
+
+
+def parse_skip_layers(value: Any) -> Optional[tuple[int, ...]]:
+    """``0,1``, ``0-8`` (a range, inclusive) or a list of integers; ``none`` or
+    empty = compress every layer; None = the default layers."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in value):
+            raise ValueError(f"skip_layers must be layer indices like '0,1' or '0-8', or 'none'; got {value!r}")
+        return tuple(value)
+    if not isinstance(value, str):
+        raise ValueError(f"skip_layers must be a comma-separated list of layer indices or 'none', got {value!r}")
+    if value.strip().lower() in ("none", ""):
+        return ()
+    return tuple(_layer_list(value, "skip_layers"))
+
+
+def parse_layer_budgets(value: Any) -> Optional[dict[int, int]]:
+    """``2-8:512,20:128`` (layers:budget) or a table ``{"2": 512}``; ``none`` = no overrides."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "")):
+        return None
+    out: dict[int, int] = {}
+    if isinstance(value, dict):
+        for layer, budget in value.items():
+            try:
+                out[int(layer)] = budget
+            except (TypeError, ValueError):
+                raise ValueError(f"layer_budgets keys must be layer indices, got {layer!r}") from None
+        return out
+    if not isinstance(value, str):
+        raise ValueError(f"layer_budgets must look like '2-8:512,20:128', got {value!r}")
+    for part in _budget_parts(value):
+        layers, colon, budget = part.rpartition(":")
+        if not colon or not budget.strip().isdigit():
+            raise ValueError(f"layer_budgets must look like '2-8:512,20:128' (layers:budget), got {value!r}")
+        for layer in _layer_list(layers, "layer_budgets"):
+            out[layer] = int(budget)
+    return out
+
+
+def _budget_parts(value: str) -> list[str]:
+    # "2-8:512,20:128": a comma starts a new part only after a ":budget".
+    parts, current = [], ""
+    for piece in value.split(","):
+        current = f"{current},{piece}" if current else piece
+        if ":" in piece:
+            parts.append(current.strip())
+            current = ""
+    if current:
+        parts.append(current.strip())
+    return parts
+
+
+def _setting(default: Any, help: str, *, parse=None, metavar: Optional[str] = None, choices=None,
+             default_text: Optional[str] = None):
+    """A config field with what the command line and job files need to know about it:
+    its help text, an optional text parser (``"0-8"`` -> a tuple), metavar, choices,
+    and how to show a default that is computed (``budget // 8``)."""
+    meta = {"help": help, "parse": parse, "metavar": metavar, "choices": choices, "default_text": default_text}
+    return field(default=default, metadata=meta)
+
+
+# ---- eviction ------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class EvictionConfig:
-    """How every compressed layer evicts. ``budget=None`` means no eviction;
-    ``recent=None`` means :func:`auto_recent` (``budget // 8``, per layer).
-    ``skip_layers`` are left uncompressed (their memory grows with the input);
-    ``None`` means :func:`default_skip_layers`: the first 30% (at least two) of the
-    full-attention layers, counted by :meth:`for_model` (all layers by :meth:`resolved` alone).
-    ``layer_budgets`` (``{layer: budget}``) overrides the budget of single layers.
+    """How every compressed layer evicts, as the user states it. ``budget=None``
+    means no eviction; ``recent=None`` means :func:`auto_recent` (``budget // 8``,
+    per layer). ``skip_layers`` are left uncompressed (their memory grows with the
+    input); ``None`` means :func:`early_layers`: the first 30% (at least two) of the
+    full-attention layers. ``layer_budgets`` (``{layer: budget}``) overrides the
+    budget of single layers.
 
     ``early_factor=N`` bounds every layer instead: nothing is skipped and the
     first 30% of the full-attention layers hold ``N * budget`` tokens (with 8, memory at budget 512
     stops growing past 4096 tokens; README, Results). It replaces
-    ``skip_layers`` and ``layer_budgets``, so it cannot be combined with them."""
+    ``skip_layers`` and ``layer_budgets``, so it cannot be combined with them.
 
-    budget: Optional[int] = 512
-    n_sink: int = 4
-    recent: Optional[int] = None
-    keep: str = "low"
-    skip_layers: Optional[tuple[int, ...]] = None
-    layer_budgets: Optional[Mapping[int, int]] = None
-    early_factor: Optional[int] = None
-    recent_auto: bool = field(default=False, init=False, repr=False, compare=False)
+    :meth:`resolved` / :meth:`for_model` give the explicit per-layer form."""
+
+    budget: Optional[int] = _setting(512, "Tokens kept per compressed layer; 'none' = full cache.",
+                                     parse=parse_budget, metavar="INT|none")
+    n_sink: int = _setting(4, "Leading tokens never evicted.")
+    recent: Optional[int] = _setting(None, "Most recent tokens never evicted.", default_text="budget // 8")
+    keep: str = _setting("low", "low = keep low key norms (the paper); high = ablation; random/recent = baselines.",
+                         choices=KEEP_MODES)
+    skip_layers: Optional[tuple[int, ...]] = _setting(
+        None, "Layers left uncompressed (their memory grows with the input), e.g. '0,1' or '0-8'; 'none' "
+        "compresses all.", parse=parse_skip_layers, metavar="LIST|none",
+        default_text="the first 30% of the full-attention layers, at least two: 0-8 on the embedded model, "
+                     "5,11 on Gemma 3")
+    layer_budgets: Optional[Mapping[int, int]] = _setting(
+        None, "Per-layer budgets overriding --budget, e.g. '2-8:1024,20:256'.", parse=parse_layer_budgets,
+        metavar="LAYERS:INT,...")
+    early_factor: Optional[int] = _setting(
+        None, "Bound every layer: nothing skipped, the first 30% of the full-attention layers hold N x --budget "
+        "(8: a memory ceiling at about today's retrieval; README, Results).")
 
     def __post_init__(self):
         if self.skip_layers is not None:
@@ -113,11 +218,10 @@ class EvictionConfig:
                 raise ValueError(f"skip_layers must be a list of layer indices, got {self.skip_layers!r}")
             object.__setattr__(self, "skip_layers",
                                tuple(_layer_index(i, "skip_layers") for i in self.skip_layers))
-        object.__setattr__(self, "recent_auto", self.recent is None)
-        if self.recent is None:
-            object.__setattr__(self, "recent", auto_recent(self.budget) if _is_int(self.budget) else 0)
+        if self.recent is not None and not _is_int(self.recent):
+            raise ValueError(f"recent must be an integer, got {self.recent!r}")
         if self.budget is not None:
-            validate_eviction_args(self.budget, self.n_sink, self.recent, self.keep)
+            validate_eviction_args(self.budget, self.n_sink, self.layer_recent(self.budget), self.keep)
         elif self.keep not in KEEP_MODES:
             raise ValueError(f"keep must be one of {', '.join(KEEP_MODES)}; got {self.keep!r}")
         if self.layer_budgets is not None:
@@ -126,7 +230,7 @@ class EvictionConfig:
             budgets = {_layer_index(k, "layer_budgets"): v for k, v in self.layer_budgets.items()}
             for layer, b in budgets.items():
                 try:
-                    validate_eviction_args(b, self.n_sink, self.layer_recent(b), self.keep)
+                    validate_eviction_args(b, self.n_sink, self.layer_recent(b) if _is_int(b) else 0, self.keep)
                 except ValueError as e:
                     raise ValueError(f"layer_budgets[{layer}]: {e}") from None
             object.__setattr__(self, "layer_budgets", budgets or None)
@@ -139,37 +243,51 @@ class EvictionConfig:
 
     def layer_recent(self, budget: int) -> int:
         """The recent window of a layer holding ``budget`` tokens."""
-        return auto_recent(budget) if self.recent_auto else self.recent
+        return auto_recent(budget) if self.recent is None else self.recent
 
-    def for_model(self, model: Any) -> "EvictionConfig":
+    def for_model(self, model: Any) -> "ResolvedEviction":
         """:meth:`resolved` for ``model``, its default layers counted among its
-        full-attention layers."""
+        full-attention layers (found by building the model's own caches: a
+        run that resolves many configs should find them once, with
+        :func:`knorm_gen.mlx_compat.full_attention_layers`, and call :meth:`resolved`)."""
+        from .mlx_compat import full_attention_layers
+
         return self.resolved(len(model.layers), full_attention_layers(model))
 
-    def resolved(self, n_layers: int, full_layers: Optional[Sequence[int]] = None) -> "EvictionConfig":
-        """This config with its layer layout made explicit for a model of ``n_layers``
-        (``skip_layers``, and ``layer_budgets`` for ``early_factor``), checked against
-        it (a ValueError names an index out of range)."""
-        config = self
-        recent = None if self.recent_auto else self.recent
+    def resolved(self, n_layers: int, full_layers: Optional[Sequence[int]] = None) -> "ResolvedEviction":
+        """This config made explicit for a model of ``n_layers`` whose plain
+        full-attention layers are ``full_layers`` (None: all of them): the skipped
+        layers, the per-layer budgets and recent windows. A ValueError names an
+        index out of range."""
+        full = tuple(range(n_layers)) if full_layers is None else tuple(sorted(full_layers))
+        skip, budgets = self.skip_layers, dict(self.layer_budgets or {})
         if self.early_factor is not None:
-            early = ({} if self.budget is None
-                     else {i: self.early_factor * self.budget for i in early_layers(n_layers, full_layers)})
-            config = replace(self, skip_layers=(), layer_budgets=early or None, early_factor=None, recent=recent)
-        elif self.skip_layers is None:
-            config = replace(self, skip_layers=default_skip_layers(n_layers, full_layers), recent=recent)
-        for what, layers in (("skip_layers", config.skip_layers), ("layer_budgets", config.layer_budgets or {})):
+            skip = ()
+            if self.budget is not None:
+                budgets = {i: self.early_factor * self.budget for i in early_layers(n_layers, full_layers)}
+        elif skip is None:
+            skip = early_layers(n_layers, full_layers)
+        for what, layers in (("skip_layers", skip), ("layer_budgets", budgets)):
             for i in layers:
                 if not -n_layers <= i < n_layers:
                     raise ValueError(f"{what} index {i} is out of range for a model with {n_layers} layers "
                                      f"(0 to {n_layers - 1})")
-        return config
+        plan: list[Optional[tuple[int, int]]] = [None] * n_layers
+        if self.budget is not None:
+            skipped = {i % n_layers for i in skip}
+            own = {i % n_layers: b for i, b in budgets.items()}
+            for i in full:
+                if i not in skipped:
+                    b = own.get(i, self.budget)
+                    plan[i] = (b, self.layer_recent(b))
+        base_recent = self.recent if self.recent is not None else auto_recent(self.budget) if self.budget else 0
+        return ResolvedEviction(self.budget, self.n_sink, base_recent, self.keep, tuple(skip), budgets or None,
+                                n_layers, full, tuple(plan))
 
     def to_dict(self) -> dict:
         """JSON-ready: ``skip_layers`` as a list (or None); ``layer_budgets`` and
         ``early_factor`` only when set."""
         d = asdict(self)
-        d.pop("recent_auto")
         d["skip_layers"] = None if self.skip_layers is None else list(self.skip_layers)
         if self.early_factor is None:  # records made before the field existed keep their fingerprints
             d.pop("early_factor")
@@ -185,18 +303,55 @@ class EvictionConfig:
 
 
 @dataclass(frozen=True)
+class ResolvedEviction:
+    """An :class:`EvictionConfig` made explicit for one model (see
+    :meth:`EvictionConfig.resolved`): ``layers[i]`` is ``(budget, recent)`` for a
+    layer the eviction cache replaces, or None for a layer left as the model made
+    it (a skipped layer, a sliding-window or SSM layer, or every layer when
+    ``budget`` is None). The caches take it as it is."""
+
+    budget: Optional[int]
+    n_sink: int
+    recent: int
+    keep: str
+    skip_layers: tuple[int, ...]
+    layer_budgets: Optional[dict[int, int]]
+    n_layers: int
+    full_layers: tuple[int, ...]
+    layers: tuple[Optional[tuple[int, int]], ...]
+
+    def to_dict(self) -> dict:
+        """The ``config`` records and results report (the same keys as ever:
+        ``budget, n_sink, recent, keep, skip_layers`` and ``layer_budgets`` when set)."""
+        d = {"budget": self.budget, "n_sink": self.n_sink, "recent": self.recent, "keep": self.keep,
+             "skip_layers": list(self.skip_layers)}
+        if self.layer_budgets is not None:
+            d["layer_budgets"] = {str(k): v for k, v in sorted(self.layer_budgets.items())}
+        return d
+
+    def __hash__(self) -> int:
+        return hash((self.n_sink, self.keep, self.layers))
+
+
+# ---- generation ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
 class GenerationConfig:
     """How text is generated. ``chat=None`` applies the chat template to text
     when the tokenizer has one; ``question_separator`` goes between a context
     and each question in :func:`~knorm_gen.answer_questions`."""
 
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: Optional[int] = None
-    prefill_step_size: int = DEFAULT_PREFILL_STEP
-    chat: Optional[bool] = None
-    question_separator: str = DEFAULT_QUESTION_SEPARATOR
+    max_tokens: int = _setting(256, "Tokens to generate at most, per row (per answer for question rows).")
+    temperature: float = _setting(0.0, "Sampling temperature; 0 = greedy.")
+    top_p: float = _setting(1.0, "Nucleus sampling: keep the smallest set of tokens whose probability reaches p.")
+    seed: Optional[int] = _setting(None, "Sampling seed, 0 to 2**64-1: set before each row at --batch-size 1, "
+                                         "once per batch otherwise.")
+    prefill_step_size: int = _setting(512, "Prompt tokens per forward pass.")
+    chat: Optional[bool] = _setting(None, "Apply the chat template to text prompts.",
+                                    default_text="when the tokenizer has one")
+    question_separator: str = _setting("\n\n", "Text between a context and each question.",
+                                       default_text="a blank line")
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -222,15 +377,19 @@ class GenerationConfig:
         return asdict(self)
 
 
-EVICTION_FIELDS = tuple(f.name for f in fields(EvictionConfig) if f.init)
+EVICTION_FIELDS = tuple(f.name for f in fields(EvictionConfig))
 GENERATION_FIELDS = tuple(f.name for f in fields(GenerationConfig))
+DEFAULT_PREFILL_STEP = GenerationConfig.prefill_step_size
+DEFAULT_QUESTION_SEPARATOR = GenerationConfig.question_separator
 
 
 def make_configs(eviction: Optional[EvictionConfig] = None, generation: Optional[GenerationConfig] = None,
                  **settings: Any) -> tuple[EvictionConfig, GenerationConfig]:
     """``(eviction, generation)`` from optional configs plus keyword fields of
     either (``budget=64, max_tokens=48``), which override the configs' values.
-    An unknown keyword is a TypeError that lists the allowed ones."""
+    An unknown keyword is a TypeError that lists the allowed ones. The only
+    builder: the Python API, the command line, job files and per-row overrides
+    all go through it."""
     unknown = set(settings) - set(EVICTION_FIELDS) - set(GENERATION_FIELDS)
     if unknown:
         raise TypeError(f"unknown setting(s) {', '.join(sorted(unknown))}; allowed: "
@@ -239,11 +398,14 @@ def make_configs(eviction: Optional[EvictionConfig] = None, generation: Optional
     generation = generation or GenerationConfig()
     ev = {k: v for k, v in settings.items() if k in EVICTION_FIELDS}
     if ev:
-        base = {name: getattr(eviction, name) for name in EVICTION_FIELDS}
-        if eviction.recent_auto and "recent" not in ev:
-            base["recent"] = None  # a new budget gets its own automatic window
-        eviction = EvictionConfig(**{**base, **ev})
+        eviction = replace(eviction, **ev)
     gen = {k: v for k, v in settings.items() if k in GENERATION_FIELDS}
     if gen:
         generation = replace(generation, **gen)
     return eviction, generation
+
+
+def settings_dict(eviction: Union[EvictionConfig, ResolvedEviction], generation: GenerationConfig) -> dict:
+    """The ``config`` a result and a record report: the eviction settings (resolved
+    for the model) followed by the generation settings."""
+    return {**eviction.to_dict(), **generation.to_dict()}

@@ -28,6 +28,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from . import records as rec
+from .rows import Row
+
 _PART = re.compile(r"^(?P<stem>.+)\.part-(?P<rank>\d+)-of-(?P<size>\d+)(?P<suffix>\.[^.]*)?$")
 
 
@@ -113,3 +116,47 @@ def local_parts(path: str) -> list[Path]:
 def shard_of(index: int, size: int) -> int:
     """The rank that runs the input row with this 0-based index (non-blank lines)."""
     return index % size
+
+
+def merge_records(items: Iterator[Any], earlier: list[bytes], blobs: list[bytes], expected: dict,
+                  accept_old: bool) -> list[bytes]:
+    """The final output: one line per input row, in input order. A row's
+    successful record comes from the earlier records or any part (one whose
+    fingerprint matches the input wins); else its error record from a part."""
+    good: dict[str, bytes] = {}
+    errors: dict[int, bytes] = {}
+    for line in [*earlier, *(x + b"\n" for blob in blobs for x in blob.splitlines() if x.strip())]:
+        record = rec.parse_record(line.rstrip(b"\n"))
+        if record is None:
+            continue  # a torn tail of a part this run did not own
+        if record["error"] is None and record["id"] is not None:
+            key = rec.id_key(record["id"])
+            fits = record.get("fingerprint") == expected.get(key) or accept_old
+            if key not in good or fits:
+                good[key] = line
+        elif isinstance(record["error"], dict) and isinstance(record["error"].get("line"), int):
+            errors[record["error"]["line"]] = line
+    out = []
+    for item in items:
+        key = item.key if isinstance(item, Row) else None
+        if key is not None and key in good:
+            out.append(good[key])
+        elif item.line in errors:
+            out.append(errors[item.line])
+    return out
+
+
+def merge_stats(earlier: bytes, blobs: list[bytes]) -> list[bytes]:
+    """The combined stats log: earlier entries, then new ones (each once) in input-line order."""
+    seen = set(earlier.splitlines())
+    fresh = []
+    for blob in blobs:
+        for line in blob.splitlines():
+            if line.strip() and line not in seen:
+                seen.add(line)
+                try:
+                    fresh.append((int(json.loads(line).get("line") or 0), line))
+                except (ValueError, AttributeError):
+                    continue
+    fresh.sort(key=lambda item: item[0])
+    return [earlier] + [line + b"\n" for _, line in fresh]

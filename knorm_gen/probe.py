@@ -15,16 +15,13 @@ keep their own bounded cache and are not measured.
 from __future__ import annotations
 
 import json
-import sys
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, make_prompt_cache
-
 from .corpus import text_of_tokens
+from .mlx_compat import is_full_attention, make_prompt_cache, record_attention
 
 DEFAULT_THRESHOLD = -0.1
 
@@ -142,23 +139,6 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float((ra * rb).sum() / denom) if denom else 0.0
 
 
-@contextmanager
-def _record_attention(model: Any, calls: list):
-    """Record (queries, keys, scale) at every attention call of the model's module."""
-    module = sys.modules[type(model.layers[0].self_attn).__module__]
-    original = module.scaled_dot_product_attention
-
-    def recording(queries, keys, values, cache, scale, mask, **kwargs):
-        calls.append((queries, keys, scale))
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
-
-    module.scaled_dot_product_attention = recording
-    try:
-        yield
-    finally:
-        module.scaled_dot_product_attention = original
-
-
 def layer_signal(queries: np.ndarray, keys: np.ndarray, scale: float, n_sink: int, window: int) -> list[float]:
     """Per KV head Spearman(key norm, attention from the last ``window`` queries)."""
     _, n_q, t, _ = queries.shape
@@ -203,8 +183,8 @@ def probe_model(
         raise ValueError(f"need more than {n_sink + window + 2} tokens to probe, got {len(ids)}")
     calls: list = []
     caches = make_prompt_cache(model)
-    kinds = ["full" if type(c) is KVCache else "sliding" for c in caches]
-    with _record_attention(model, calls):
+    kinds = ["full" if is_full_attention(c) else "sliding" for c in caches]
+    with record_attention(model, calls):
         model(mx.array(ids)[None], cache=caches)
     report = ProbeReport(tokens=len(ids), threshold=threshold)
     for layer, ((q, k, scale), kind) in enumerate(zip(calls, kinds)):

@@ -48,13 +48,16 @@ SCORES: dict[str, ScoreFn] = {
     "recent": score_recent,
 }
 
-# ---- rank packing (private to the caches) -----------------------------------
+# ---- the selection arithmetic both caches share ---------------------------------
 # One int64 per token: (order-preserving integer of the float32 score) << 32 | position,
 # so one integer compare ranks by score and breaks ties by the earlier position.
 # Protected tokens (sinks, the recent window) get PROTECTED + position: below any score.
+# Empty and padding slots of a batch cache get PAD: above any score, never kept.
 _POS_SHIFT = 1 << 32
 _POS_MASK = (1 << 32) - 1
 PROTECTED = -(1 << 63)
+PAD = (1 << 63) - 1
+STEP = 256  # buffers grow in steps of this many slots (as mlx_lm's KVCache does)
 
 
 def _ordered_bits(score: mx.array) -> mx.array:
@@ -72,6 +75,14 @@ def pack_ranks(score: mx.array, positions: mx.array, n_sink: int) -> mx.array:
     return rank
 
 
+def block_ranks(keep: str, n_sink: int, keys: mx.array, start: mx.array | int) -> mx.array:
+    """Ranks of a block of keys ``(B, H, N, D)`` whose first token sits at absolute
+    position ``start`` (an int, or one per batch row); ascending = kept first."""
+    first = mx.array(start, dtype=mx.int64).reshape(-1, 1, 1)
+    positions = first + mx.arange(keys.shape[2], dtype=mx.int64)[None, None, :]
+    return pack_ranks(SCORES[keep](keys, positions), positions, n_sink)
+
+
 def rank_positions(rank: mx.array) -> mx.array:
     """The absolute position packed in each rank."""
     return mx.bitwise_and(rank, _POS_MASK).astype(mx.int32)
@@ -81,3 +92,20 @@ def protect_recent(rank: mx.array, first_recent: mx.array | int) -> mx.array:
     """Ranks with every position at or after ``first_recent`` protected from eviction."""
     pos = rank_positions(rank)
     return mx.where(pos >= first_recent, PROTECTED + pos.astype(mx.int64), rank)
+
+
+def evict_key(rank: mx.array, seen: mx.array | int, recent: int) -> mx.array:
+    """What eviction ranks by: ``rank`` with the last ``recent`` of ``seen``
+    positions protected (``seen`` an int, or one per batch row); PAD stays PAD."""
+    if recent == 0:
+        return rank
+    first = mx.array(seen, dtype=mx.int64).reshape(-1, 1, 1) - recent
+    return mx.where(rank == PAD, rank, protect_recent(rank, first))
+
+
+def capacity(rows: int, budget: int, pinned: bool) -> int:
+    """Slots to allocate for ``rows`` held rows: whole steps, but never more than
+    the budget plus the one spare slot a decode step writes into (unless pinned:
+    then every later token is kept)."""
+    cap = -(-rows // STEP) * STEP
+    return cap if pinned else max(rows, min(cap, budget + 1))

@@ -6,7 +6,8 @@ import pytest
 
 from knorm_gen import (EvictionConfig, GenerationConfig, answer_questions, generate_batch_with_eviction,
                        generate_with_eviction)
-from knorm_gen.batch import RECORD_FIELDS, BatchOptions, BatchUsageError, get_model, run_batch
+from knorm_gen.job import BatchOptions, BatchUsageError, get_model, run_batch
+from knorm_gen.records import RECORD_FIELDS
 
 OPTS = dict(budget=16, max_tokens=2)
 

@@ -12,10 +12,10 @@ import pytest
 
 from knorm_gen import (EvictionConfig, GenerationResult, L2NormKVCache, generate_batch_with_eviction,
                        make_eviction_cache, stream_batch_with_eviction)
-from knorm_gen.batch_cache import own_layer_masks
-from knorm_gen.batched import BatchEngine
+from knorm_gen.mlx_compat import own_layer_masks
+from knorm_gen.engine import BatchEngine
 from knorm_gen.config import GenerationConfig
-from knorm_gen.generate import encode_prompt
+from knorm_gen.prompts import encode_prompt
 from knorm_gen.corpus import text_of_tokens
 from knorm_gen.models import load_model
 
@@ -31,7 +31,7 @@ def mt():
 
 def scores_by_position(cache: L2NormKVCache) -> list[dict]:
     """Per head: kept position -> its float32 score, read back from the packed ranks."""
-    rank = np.array(cache._rows()[2])[0]
+    rank = np.array(cache.held()[2])[0]
     pos = (rank & 0xFFFFFFFF).astype(np.int64)
     score_bits = (rank >> 32).astype(np.int64)
     score = np.where(score_bits >= 0, score_bits, -score_bits - (1 << 31) - 1).astype(np.int32).view(np.float32)

@@ -88,8 +88,6 @@ def test_budget_above_tokens_matches_plain_kvcache(tiny_model):
     ours = make_eviction_cache(tiny_model, EvictionConfig(budget=64, skip_layers=()))
     ref = [KVCache() for _ in tiny_model.layers]
     splits = [7, 16, 1, 1, 9, 1, 5]
-    for a, b in ((ours, None), (ref, None)):
-        pass
     la = feed(tiny_model, ours, tokens, splits)
     lb = feed(tiny_model, ref, tokens, splits)
     np.testing.assert_allclose(np.array(la), np.array(lb), rtol=1e-5, atol=1e-5)
@@ -397,10 +395,11 @@ def test_layer_budgets_override_single_layers(tiny_model):
 
 
 def test_default_skip_layers_are_the_first_30_percent(tiny_model):
-    from knorm_gen.cache import default_skip_layers, kv_memory
+    from knorm_gen.config import early_layers
+    from knorm_gen.memory import kv_memory
 
-    assert default_skip_layers(30) == tuple(range(9))
-    assert default_skip_layers(3) == (0, 1) and default_skip_layers(1) == (0,)
+    assert early_layers(30) == tuple(range(9))
+    assert early_layers(3) == (0, 1) and early_layers(1) == (0,)
     config = EvictionConfig(budget=8)
     assert config.skip_layers is None and config.to_dict()["skip_layers"] is None
     assert "early_factor" not in config.to_dict()  # records written before the field keep their fingerprints
@@ -418,7 +417,7 @@ def test_default_skip_layers_are_the_first_30_percent(tiny_model):
 
 
 def test_early_factor_bounds_every_layer():
-    from knorm_gen.cache import kv_memory
+    from knorm_gen.memory import kv_memory
 
     config = EvictionConfig(budget=8, early_factor=8)
     resolved = config.resolved(30)
@@ -477,7 +476,7 @@ def test_keep_random_size_protection_and_seed():
 
 
 def test_mlx_lm_cache_protocol_is_complete():
-    from knorm_gen.cache import missing_mlx_lm_protocol
+    from knorm_gen.mlx_compat import missing_mlx_lm_protocol
 
     missing = missing_mlx_lm_protocol()
     assert not missing, "the installed mlx_lm lacks: " + "; ".join(missing)

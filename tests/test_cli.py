@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from knorm_gen.batch import get_model
+from knorm_gen.job import get_model
 from knorm_gen.cli import batch_command
 
 TIMING = {"prefill_s", "decode_s", "prompt_tps", "generation_tps", "peak_memory_gb"}
@@ -230,7 +230,7 @@ def test_ctrl_c_finishes_the_row_then_exits_130(tmp_path):
 
 
 def test_skip_layers_accepts_ranges():
-    from knorm_gen.cli import parse_skip_layers
+    from knorm_gen.config import parse_skip_layers
 
     assert parse_skip_layers("0-3,7") == (0, 1, 2, 3, 7)
     assert parse_skip_layers("none") == ()
@@ -274,3 +274,67 @@ def test_early_factor_bounds_memory_and_says_so(tmp_path):
     assert f"KV memory per row: at most {ceiling / 2**20:.1f} MiB, whatever the input length" in result.stderr
     clash = invoke(inp, *FAST, "--early-factor", "8", "--skip-layers", "0,1", "-o", str(tmp_path / "x.jsonl"))
     assert clash.exit_code == 2 and "early_factor" in clash.stderr
+
+
+# ---------------------------------------------------------------- every setting is reachable
+
+# A value other than the default for every config field, its text on the command line,
+# and what the record's effective config then says (early_factor shows as the layout it sets).
+FIELD_VALUES = {
+    "budget": ("24", 24, "budget", 24),
+    "n_sink": ("2", 2, "n_sink", 2),
+    "recent": ("5", 5, "recent", 5),
+    "keep": ("high", "high", "keep", "high"),
+    "skip_layers": ("0,2", [0, 2], "skip_layers", [0, 2]),
+    "layer_budgets": ("1:40", {"1": 40}, "layer_budgets", {"1": 40}),
+    "early_factor": ("3", 3, "layer_budgets", {"0": 48, "1": 48}),
+    "max_tokens": ("3", 3, "max_tokens", 3),
+    "temperature": ("0.5", 0.5, "temperature", 0.5),
+    "top_p": ("0.9", 0.9, "top_p", 0.9),
+    "seed": ("7", 7, "seed", 7),
+    "prefill_step_size": ("64", 64, "prefill_step_size", 64),
+    "chat": ("--no-chat", False, "chat", False),
+    "question_separator": (" | ", " | ", "question_separator", " | "),
+}
+
+
+def test_every_config_field_is_reachable_from_the_cli_and_job_files(tmp_path, tiny_model_dir):
+    from dataclasses import fields
+
+    from knorm_gen.config import EvictionConfig, GenerationConfig
+
+    names = [f.name for f in (*fields(EvictionConfig), *fields(GenerationConfig))]
+    assert sorted(FIELD_VALUES) == sorted(names), "a config field has no check here: add it to FIELD_VALUES"
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": "a", "prompt": "Hello there, how are you today?"}\n')
+    for name, (text, toml_value, key, expected) in FIELD_VALUES.items():
+        base = {"budget": 16, "max_tokens": 2} if name not in ("budget", "max_tokens") else {}
+        if name == "early_factor":
+            base["budget"] = 16
+        section = "eviction" if name in [f.name for f in fields(EvictionConfig)] else "generation"
+        args = [text] if text.startswith("--") else [f"--{name.replace('_', '-')}", text]
+        flag_out = tmp_path / f"{name}.flags.jsonl"
+        result = invoke(inp, "-o", flag_out, "--model", tiny_model_dir, "--batch-size", "1", "-q", *args,
+                        *[a for k, v in base.items() for a in (f"--{k.replace('_', '-')}", str(v))])
+        assert result.exit_code == 0, (name, result.stderr)
+        job = tmp_path / f"{name}.toml"
+        job.write_text(f'model = {json.dumps(str(tiny_model_dir))}\nbatch_size = 1\n'
+                       f"[eviction]\n" + "".join(f"{k} = {v}\n" for k, v in base.items() if k == "budget")
+                       + (f"{name} = {_toml(toml_value)}\n" if section == "eviction" else "")
+                       + "[generation]\n" + "".join(f"{k} = {v}\n" for k, v in base.items() if k == "max_tokens")
+                       + (f"{name} = {_toml(toml_value)}\n"
+                          if section == "generation" else ""))
+        job_out = tmp_path / f"{name}.job.jsonl"
+        result = invoke(inp, "-o", job_out, "--job", job, "-q")
+        assert result.exit_code == 0, (name, job.read_text(), result.stderr)
+        for out in (flag_out, job_out):
+            (record,) = records(out)
+            assert record["error"] is None and record["config"][key] == expected, (name, out.name, record["config"])
+
+
+def _toml(value):
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f'"{k}" = {v}' for k, v in value.items()) + " }"
+    return json.dumps(value)

@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from knorm_gen import records as rec
+from knorm_gen import rows
 from knorm_gen.cli import batch_command
 
 REPO = Path(__file__).resolve().parents[1]
@@ -200,7 +201,7 @@ def test_unparseable_lines_become_error_records_and_resume_works(tmp_path, fast)
     for attempt in range(2):  # the rerun must not crash on the same lines either
         result = invoke(inp, "-o", out, *fast)
         assert result.exit_code == 1, result.stderr
-    records = [rec.loads_strict(line) for line in out.read_text().splitlines()]  # strict JSON throughout
+    records = [rows.loads_strict(line) for line in out.read_text().splitlines()]  # strict JSON throughout
     errors = {r["error"]["line"]: r["error"]["type"] for r in records if r["error"]}
     assert errors == {2: "invalid_json", 3: "invalid_json", 4: "invalid_json", 5: "invalid_json",
                       6: "invalid_json"}

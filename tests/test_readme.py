@@ -97,7 +97,12 @@ def test_knorm_batch_command_lines_parse(line):
 
     args = shlex.split(line)[1:]
     with batch_command.make_context("knorm-batch", args, resilient_parsing=False) as ctx:
-        assert ctx.params is not None
+        # every option the line names arrives with the value the line gives it
+        for flag, value in zip(args, args[1:] + [None]):
+            if flag.startswith("--") and value is not None and not value.startswith("-"):
+                name = flag[2:].replace("-", "_")
+                got = ctx.params.get("job_file" if name == "job" else name)
+                assert got is not None and str(value) in (str(got), f"{got}"), (flag, value, got)
 
 
 def test_make_targets_named_in_readme_exist():

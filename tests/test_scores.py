@@ -5,16 +5,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from knorm_gen import KEEP_MODES, L2NormKVCache
+from knorm_gen import L2NormKVCache
 from knorm_gen.scores import SCORES, pack_ranks, rank_positions
 
 from .test_cache import distinct_norm_keys, feed_keys, kept_positions
 
 T, BUDGET, N_SINK, RECENT = 48, 14, 3, 4
-
-
-def test_keep_modes_are_the_table():
-    assert KEEP_MODES == tuple(SCORES)
 
 
 @pytest.mark.parametrize("keep", list(SCORES))

@@ -1,27 +1,34 @@
-"""The batch run: JSONL rows in, one durable JSONL record per row out.
+"""The ``knorm-batch`` job: JSONL rows in, one durable JSONL record per row out.
 
 Each record is written whole and fsynced as its row finishes. Rerunning over
 the same output resumes: a row counts as done when the output holds a
 successful record for its id *made from the same row and settings* (the
 record's ``fingerprint``); failed records are dropped and retried; a torn last
-line is cut away. Before any work the runner refuses what would lose or mix up
+line is cut away. Before any work the job refuses what would lose or mix up
 work: side files that are the input, a second run on a locked output, an
 output whose records no longer match the input (see :func:`plan_resume`).
-This module owns the files, the resume plan and the process group;
-:mod:`knorm_gen.runner` runs the rows.
+This module owns the options, the summary and exit codes, the files and locks,
+the resume plan and the process group; :mod:`knorm_gen.runner` runs the rows.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
-from dataclasses import dataclass, field
+import threading
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Optional
+from typing import Any, BinaryIO, Callable, Optional
 
+from tqdm import tqdm
 
 from . import records as rec
+from .config import EvictionConfig, GenerationConfig
+from .distributed import Group, local_parts, merge_records, merge_stats, part_path, shard_of
+from .engine import DEFAULT_BATCH_SIZE
 from .files import (
     FileLock,
     FileUsageError,
@@ -34,31 +41,117 @@ from .files import (
     repair_torn_tail,
     rewrite_atomically,
 )
-from .cache import kv_memory
-from .distributed import Group, local_parts, part_path, shard_of
+from .memory import kv_memory
+from .rows import Row, read_rows, read_share
+from .runner import RowRunner
 
-from .runner import (  # noqa: F401  (the runner's names are part of this module's API)
-    ANSWER_FIELDS,
-    EXIT_INTERNAL_ERROR,
-    EXIT_INTERRUPTED,
-    EXIT_IO_ERROR,
-    EXIT_OK,
-    EXIT_PIPE_CLOSED,
-    EXIT_ROWS_FAILED,
-    EXIT_USAGE,
-    RECORD_FIELDS,
-    STATS_FIELDS,
-    BatchOptions,
-    BatchSummary,
-    BatchUsageError,
-    Interrupted,
-    _Context,
-    _items,
-    _loop,
-    _Signals,
-    record_config,
-    run_row,
-)
+__all__ = [
+    "BatchOptions", "BatchSummary", "BatchUsageError", "Interrupted", "run_batch", "get_model",
+    "plan_resume", "check_resume", "EXIT_OK", "EXIT_ROWS_FAILED", "EXIT_USAGE", "EXIT_IO_ERROR",
+    "EXIT_INTERNAL_ERROR", "EXIT_INTERRUPTED", "EXIT_PIPE_CLOSED",
+]
+
+EXIT_OK = 0
+EXIT_ROWS_FAILED = 1
+EXIT_USAGE = 2
+EXIT_IO_ERROR = 3
+EXIT_INTERNAL_ERROR = 4
+EXIT_INTERRUPTED = 130
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
+
+
+class BatchUsageError(FileUsageError):
+    """A problem found before any row runs (options, input, output, model)."""
+
+
+@dataclass
+class BatchOptions:
+    """Everything a run needs besides its rows. Defaults are the command's."""
+
+    model: str = "default"
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    batch_size: int = DEFAULT_BATCH_SIZE
+    overwrite: bool = False
+    accept_old_records: bool = False
+    limit: Optional[int] = None
+    stats_log: Optional[str] = None
+    summary_json: Optional[str] = None
+
+    def check(self) -> None:
+        """Raise :class:`BatchUsageError` for a bad runner setting (the configs check themselves)."""
+        if not isinstance(self.eviction, EvictionConfig) or not isinstance(self.generation, GenerationConfig):
+            raise BatchUsageError("eviction and generation must be EvictionConfig and GenerationConfig")
+        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int)
+                                       or self.limit < 0):
+            raise BatchUsageError(f"limit must be an integer >= 0, got {self.limit!r}")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise BatchUsageError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
+
+
+@dataclass
+class BatchSummary:
+    """What a run did. ``compression_*`` and token sums cover this run's successful rows."""
+
+    input: str
+    output: str
+    model: str
+    rows: int = 0
+    ok: int = 0
+    failed: int = 0
+    skipped: int = 0
+    tokens_seen: int = 0
+    tokens_kept: int = 0
+    generated_tokens: int = 0
+    compression_mean: Optional[float] = None
+    compression_min: Optional[float] = None
+    compression_max: Optional[float] = None
+    wall_s: float = 0.0
+    tokens_per_s: float = 0.0
+    generated_tokens_per_s: float = 0.0
+    interrupted: bool = False
+    io_error: Optional[str] = None
+    pipe_closed: bool = False
+    errors: dict = field(default_factory=dict)  # error type -> count
+    ranks: list = field(default_factory=list)  # a distributed run: each rank's own numbers
+    kv_ceiling_bytes: Optional[int] = None  # per row, for the run's settings; None: no ceiling
+    kv_growth_bytes_per_token: int = 0  # what each token adds in layers that keep every token
+    kv_memory: str = ""  # the same, in words
+
+    @property
+    def exit_code(self) -> int:
+        if self.pipe_closed:
+            return EXIT_PIPE_CLOSED
+        if self.io_error:
+            return EXIT_IO_ERROR
+        if self.interrupted:
+            return EXIT_INTERRUPTED
+        return EXIT_ROWS_FAILED if self.failed else EXIT_OK
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "exit_code": self.exit_code}
+
+    def text(self) -> str:
+        lines = [f"knorm-batch: {self.rows} rows: {self.ok} ok, {self.failed} failed, {self.skipped} skipped "
+                 f"(already done) -> {self.output}"]
+        if self.errors:
+            lines.append("  errors: " + ", ".join(f"{k} {v}" for k, v in sorted(self.errors.items())))
+        if self.ok:
+            lines.append(f"  tokens seen {self.tokens_seen}, kept {self.tokens_kept}, generated "
+                         f"{self.generated_tokens}; compression mean {self.compression_mean:.2f}x "
+                         f"(min {self.compression_min:.2f}x, max {self.compression_max:.2f}x)")
+        lines.append(f"  wall {self.wall_s:.1f} s; {self.tokens_per_s:.1f} tokens/s processed, "
+                     f"{self.generated_tokens_per_s:.1f} tokens/s generated")
+        if self.kv_memory:
+            lines.append(f"  {self.kv_memory}")
+        for r, numbers in enumerate(self.ranks):
+            lines.append(f"  rank {r}: {numbers['rows']} rows ({numbers['ok']} ok, {numbers['failed']} failed, "
+                         f"{numbers['skipped']} skipped), {numbers['generated_tokens']} tokens generated, "
+                         f"{numbers['generated_tokens_per_s']:.1f} tokens/s, wall {numbers['wall_s']:.1f} s")
+        if self.io_error:
+            lines.append(f"  stopped: {self.io_error}")
+        return "\n".join(lines)
+
 
 # ------------------------------------------------------------------ models
 
@@ -229,53 +322,36 @@ class _Files:
         return locks
 
 
+@dataclass
+class _Prepared:
+    """What a run has once every check before work has passed."""
+
+    stream: BinaryIO
+    locks: list
+    runner: RowRunner
+    memory: Any
+    expected: dict  # every input row's id -> the fingerprint its record would carry now
+    total: int  # rows this process will see
+    limit: Optional[int] = None
+
+
 def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokenizer, progress, log, stdout,
                group: Group) -> BatchSummary:
     options.check()
     files = _Files.plan(input_path, output_path, options, group)
-    if group.rank:
-        progress = False  # rank 0 shows the bar; the others speak only of errors
-    locks: list[FileLock] = []
-    stream = None
+    progress = progress and group.rank == 0  # rank 0 shows the bar; the others speak only of errors
     with _Signals(log) as signals:
-        error: Optional[BaseException] = None
+        ready = _prepare(files, options, model, tokenizer, group)
         try:
-            files.check(options, group)
-            stream = open_input(files.input)
-            locks = files.lock(group)
-            if model is None:
-                model, tokenizer = get_model(options.model)
-            try:
-                eviction = options.eviction.for_model(model)
-            except ValueError as e:
-                raise BatchUsageError(str(e)) from None
-            ctx = _Context(options, model, tokenizer, eviction, record_config(eviction, options.generation))
-            memory = kv_memory(model, eviction)
-            expected, total = _scan_rows(stream, ctx, group)
-        except KeyboardInterrupt:
-            error = Interrupted()
-        except BaseException as e:  # noqa: BLE001 - in a group, every rank must hear of it (below)
-            error = e
-        try:
-            if group.distributed:  # a rank that failed to start fails the launch, with its error, on every rank
-                failures = [(r, m) for r, m in enumerate(group.gather_json(_describe(error))) if m]
-                if failures:
-                    if isinstance(error, KeyboardInterrupt):
-                        raise Interrupted
-                    raise BatchUsageError("; ".join(f"rank {r}: {m}" for r, m in failures))
-            elif error is not None:
-                raise error
-            plan = _plan(files, expected, options, group, log if progress else None)
+            plan = _plan(files, ready.expected, options, group, log if progress else None)
             writer = _open_writer(files.own_output, options.overwrite, stdout)
             stats = _open_writer(files.own_stats, options.overwrite, None) if files.own_stats else None
         except BaseException as e:
-            for lock in locks:
-                lock.release()
-            if stream is not None:
-                stream.close()
+            _release(ready)
             if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
                 raise Interrupted from None
             raise
+        memory = ready.memory
         summary = BatchSummary(input=files.input, output=files.output, model=options.model,
                                kv_ceiling_bytes=memory.ceiling_bytes,
                                kv_growth_bytes_per_token=memory.growth_bytes_per_token, kv_memory=memory.describe())
@@ -283,7 +359,7 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
             log(memory.describe())  # before a long job: is this configuration bounded?
         try:
             signals.graceful = True
-            _loop(stream, writer, stats, plan.done, ctx, summary, total, progress, signals, group)
+            _loop(ready, writer, stats, plan.done, summary, progress, signals, group)
         finally:
             signals.graceful = False
             for closing in (writer, stats):
@@ -294,13 +370,74 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
                         pass  # a closed pipe or full disk: already recorded in the summary
         try:
             if group.distributed:
-                summary = _finish_group(files, stream, ctx, expected, plan, summary, group)
+                summary = _finish_group(files, ready, plan, summary, options, group)
             _write_summary(options.summary_json if group.rank == 0 else None, summary)
         finally:
-            stream.close()
-            for lock in locks:
-                lock.release()
+            _release(ready)
     return summary
+
+
+def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Group) -> _Prepared:
+    """Every check before work: files, locks, the model, the settings, the input's
+    rows. In a group, every rank hears of any rank's failure and stops with it."""
+    stream, locks, error, ready = None, [], None, None
+    try:
+        files.check(options, group)
+        stream = open_input(files.input)
+        locks = files.lock(group)
+        if model is None:
+            model, tokenizer = get_model(options.model)
+        try:
+            runner = RowRunner(model, tokenizer, model_spec=options.model, eviction=options.eviction,
+                               generation=options.generation, batch_size=options.batch_size)
+        except ValueError as e:
+            raise BatchUsageError(str(e)) from None
+        memory = kv_memory(model, runner.base.eviction)
+        expected, total = _scan_rows(stream, runner, options.limit, group)
+        ready = _Prepared(stream, locks, runner, memory, expected, total, options.limit)
+    except KeyboardInterrupt:
+        error = Interrupted()
+    except BaseException as e:  # noqa: BLE001 - in a group, every rank must hear of it (below)
+        error = e
+    try:
+        if group.distributed:  # a rank that failed to start fails the launch, with its error, on every rank
+            failures = [(r, m) for r, m in enumerate(group.gather_json(_describe(error))) if m]
+            if failures:
+                if isinstance(error, KeyboardInterrupt):
+                    raise Interrupted
+                raise BatchUsageError("; ".join(f"rank {r}: {m}" for r, m in failures))
+        elif error is not None:
+            raise error
+    except BaseException:
+        _release(_Prepared(stream, locks, None, None, {}, 0) if ready is None else ready)
+        raise
+    return ready
+
+
+def _release(ready: _Prepared) -> None:
+    for lock in ready.locks:
+        lock.release()
+    if ready.stream is not None:
+        ready.stream.close()
+
+
+def _loop(ready: _Prepared, writer, stats, done: set, summary: BatchSummary, progress: bool, signals,
+          group: Group) -> None:
+    tic = time.perf_counter()
+    label = f"rank 0/{group.size}" if group.distributed else None
+    bar = tqdm(total=ready.total, unit="row", file=sys.stderr, dynamic_ncols=True, desc=label,
+               disable=not (progress and sys.stderr.isatty()))
+    sink = _Sink(writer, stats, summary, bar)
+    items = read_share(ready.stream, ready.limit, group.rank, group.size)
+    with bar:
+        try:
+            ready.runner.run(items, done, sink.emit, stop_reading=lambda: signals.stop,
+                             stop_now=lambda: sink.stopped)
+        except KeyboardInterrupt:
+            summary.interrupted = True
+    if signals.stop:
+        summary.interrupted = True
+    sink.finish(time.perf_counter() - tic)
 
 
 def _describe(error: Optional[BaseException]) -> Optional[str]:
@@ -329,41 +466,50 @@ def _plan(files: _Files, expected: dict, options: BatchOptions, group: Group,
     records (its part files and, on rank 0's machine, the final output), exchanged."""
     if is_stream(files.own_output):
         return ResumePlan()
-    if not group.distributed:
-        parts = local_parts(files.output)
-        if options.overwrite:
-            for path in parts:
-                path.unlink(missing_ok=True)
-            return ResumePlan()
-        plan = plan_resume(files.own_output, expected, options.accept_old_records)
-        if parts:  # an earlier run across several processes stopped before its merge: take its records in
-            have = set(plan.done)
-            extra = [(k, fp, line.encode("utf-8")) for k, fp, line in _local_records(files) if k not in have]
-            extra = list({k: (fp, line) for k, fp, line in extra}.items())
-            check_resume(dict(extra), expected, options.accept_old_records, files.output)
-            plan.keep += [line for _, (_, line) in extra]
-            plan.done |= {k for k, _ in extra}
-            plan.rewrite = True
-        if plan.rewrite:
-            rewrite_atomically(files.own_output, plan.keep)
-            for path in parts:
-                path.unlink(missing_ok=True)
-        if files.own_stats and not is_stream(files.own_stats):
-            repair_torn_tail(files.own_stats)
-        if (plan.done or plan.rewrite) and log:
-            log(f"resuming {files.own_output}: {len(plan.done)} rows already done"
-                + (f", {plan.retried} failed rows to retry" if plan.retried else "")
-                + (", cut a torn last line" if plan.torn else ""))
-        return plan
+    if group.distributed:
+        return _plan_group(files, expected, options, group, log)
+    return _plan_alone(files, expected, options, log)
+
+
+def _plan_alone(files: _Files, expected: dict, options: BatchOptions,
+                log: Optional[Callable[[str], None]]) -> ResumePlan:
+    parts = local_parts(files.output)
+    if options.overwrite:
+        for path in parts:
+            path.unlink(missing_ok=True)
+        return ResumePlan()
+    plan = plan_resume(files.own_output, expected, options.accept_old_records)
+    if parts:  # an earlier run across several processes stopped before its merge: take its records in
+        have = set(plan.done)
+        extra = [(k, fp, line.encode("utf-8")) for k, fp, line in _local_records(files) if k not in have]
+        extra = list({k: (fp, line) for k, fp, line in extra}.items())
+        check_resume(dict(extra), expected, options.accept_old_records, files.output)
+        plan.keep += [line for _, (_, line) in extra]
+        plan.done |= {k for k, _ in extra}
+        plan.rewrite = True
+    if plan.rewrite:
+        rewrite_atomically(files.own_output, plan.keep)
+        for path in parts:
+            path.unlink(missing_ok=True)
+    if files.own_stats and not is_stream(files.own_stats):
+        repair_torn_tail(files.own_stats)
+    if (plan.done or plan.rewrite) and log:
+        log(f"resuming {files.own_output}: {len(plan.done)} rows already done"
+            + (f", {plan.retried} failed rows to retry" if plan.retried else "")
+            + (", cut a torn last line" if plan.torn else ""))
+    return plan
+
+
+def _plan_group(files: _Files, expected: dict, options: BatchOptions, group: Group,
+                log: Optional[Callable[[str], None]]) -> ResumePlan:
     if options.overwrite:
         for path in [*local_parts(files.output)] + ([*local_parts(files.stats_log)] if files.stats_log else []):
             if str(path) not in (files.own_output, files.own_stats):
                 path.unlink(missing_ok=True)
         group.barrier()  # nobody deletes a part another rank has started since
         return ResumePlan()
-    mine = _local_records(files)
     union: dict[str, tuple[Optional[str], bytes]] = {}
-    for records in group.gather_json(mine):
+    for records in group.gather_json(_local_records(files)):
         for key, fp, line in records:
             current = union.get(key)
             if current is None or (current[0] != expected.get(key) and fp == expected.get(key)):
@@ -392,8 +538,8 @@ def _local_records(files: _Files) -> list[tuple[str, Optional[str], str]]:
     return out
 
 
-def _finish_group(files: _Files, stream, ctx: _Context, expected: dict, plan: ResumePlan, summary: BatchSummary,
-                  group: Group) -> BatchSummary:
+def _finish_group(files: _Files, ready: _Prepared, plan: ResumePlan, summary: BatchSummary,
+                  options: BatchOptions, group: Group) -> BatchSummary:
     """Every rank's records to rank 0, which writes the final output in input order;
     then each rank removes the part files the output now holds."""
     if summary.interrupted or summary.io_error:
@@ -405,9 +551,9 @@ def _finish_group(files: _Files, stream, ctx: _Context, expected: dict, plan: Re
     summaries = group.gather_json(summary.to_dict())
     total = combine_summaries(summaries, files)
     if group.rank == 0:
-        stream.seek(0)
-        lines = merge_records(_items(stream, ctx.options.limit), plan.keep, blobs, expected,
-                              ctx.options.accept_old_records)
+        ready.stream.seek(0)
+        lines = merge_records(read_share(ready.stream, options.limit), plan.keep, blobs, ready.expected,
+                              options.accept_old_records)
         rewrite_atomically(files.output, lines)
         if files.stats_log:
             rewrite_atomically(files.stats_log, merge_stats(_read(Path(files.stats_log)), stats_blobs))
@@ -422,50 +568,6 @@ def _read(path: Path) -> bytes:
         return path.read_bytes()
     except FileNotFoundError:
         return b""
-
-
-def merge_records(items: Iterator[Any], earlier: list[bytes], blobs: list[bytes], expected: dict,
-                  accept_old: bool) -> list[bytes]:
-    """The final output: one line per input row, in input order. A row's
-    successful record comes from the earlier records or any part (one whose
-    fingerprint matches the input wins); else its error record from a part."""
-    good: dict[str, bytes] = {}
-    errors: dict[int, bytes] = {}
-    for line in [*earlier, *(x + b"\n" for blob in blobs for x in blob.splitlines() if x.strip())]:
-        record = rec._as_record(line.rstrip(b"\n"))
-        if record is None:
-            continue  # a torn tail of a part this run did not own
-        if record["error"] is None and record["id"] is not None:
-            key = rec.id_key(record["id"])
-            fits = record.get("fingerprint") == expected.get(key) or accept_old
-            if key not in good or fits:
-                good[key] = line
-        elif isinstance(record["error"], dict) and isinstance(record["error"].get("line"), int):
-            errors[record["error"]["line"]] = line
-    out = []
-    for item in items:
-        key = item.key if isinstance(item, rec.Row) else None
-        if key is not None and key in good:
-            out.append(good[key])
-        elif item.line in errors:
-            out.append(errors[item.line])
-    return out
-
-
-def merge_stats(earlier: bytes, blobs: list[bytes]) -> list[bytes]:
-    """The combined stats log: earlier entries, then new ones (each once) in input-line order."""
-    seen = set(earlier.splitlines())
-    fresh = []
-    for blob in blobs:
-        for line in blob.splitlines():
-            if line.strip() and line not in seen:
-                seen.add(line)
-                try:
-                    fresh.append((int(json.loads(line).get("line") or 0), line))
-                except (ValueError, AttributeError):
-                    continue
-    fresh.sort(key=lambda item: item[0])
-    return [earlier] + [line + b"\n" for _, line in fresh]
 
 
 def combine_summaries(summaries: list[dict], files: _Files) -> BatchSummary:
@@ -502,25 +604,126 @@ def _open_writer(path: str, fresh: bool, stdout: Optional[BinaryIO]) -> rec.Reco
         raise BatchUsageError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def _scan_rows(stream: BinaryIO, ctx: _Context, group: Group) -> tuple[dict[str, Optional[str]], int]:
+def _scan_rows(stream: BinaryIO, runner: RowRunner, limit: Optional[int],
+               group: Group) -> tuple[dict[str, Optional[str]], int]:
     """Every input row's id -> the fingerprint its record would carry, and the
     number of rows this process will see (after --limit, in its share)."""
     expected: dict[str, Optional[str]] = {}
     total = 0
-    limit = ctx.options.limit
-    for n, item in enumerate(rec.read_rows(stream)):
-        if isinstance(item, rec.Row):
-            expected[item.key] = ctx.expected_fingerprint(item)
+    for n, item in enumerate(read_rows(stream)):
+        if isinstance(item, Row):
+            expected[item.key] = runner.fingerprint(item)
         if (limit is None or n < limit) and shard_of(n, group.size) == group.rank:
             total += 1
     stream.seek(0)
     return expected, total
 
 
+# ------------------------------------------------------------------ signals and output
 
 
-__all__ = [
-    "BatchOptions", "BatchSummary", "BatchUsageError", "Interrupted", "run_batch", "run_row", "get_model",
-    "default_output", "plan_resume", "check_resume", "EXIT_OK", "EXIT_ROWS_FAILED", "EXIT_USAGE",
-    "EXIT_IO_ERROR", "EXIT_INTERNAL_ERROR", "EXIT_INTERRUPTED", "EXIT_PIPE_CLOSED",
-]
+class _Signals:
+    """SIGINT and SIGTERM. Before rows run they abort at once (nothing to lose);
+    while rows run the first one sets ``stop`` (the runner finishes and writes
+    the row in flight, then stops) and a second aborts."""
+
+    def __init__(self, notify: Callable[[str], None]):
+        self.stop = False
+        self.graceful = False
+        self._notify = notify
+        self._old: dict = {}
+
+    def __enter__(self) -> "_Signals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if not self.graceful or self.stop:
+            raise KeyboardInterrupt
+        self.stop = True
+        name = signal.Signals(signum).name
+        self._notify(f"\n{name}: stopping after the rows in flight are written (again to abort them)")
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Interrupted before any row ran: nothing was written."""
+
+
+class _Sink:
+    """Writes each finished record whole, and counts it in the summary and the bar.
+    A closed output pipe or an I/O error sets ``stopped``: the run ends there."""
+
+    def __init__(self, writer, stats, summary: BatchSummary, bar):
+        self.writer, self.stats, self.summary, self.bar = writer, stats, summary, bar
+        self.ratios: list[float] = []
+        self.decode_s = 0.0
+        self.stopped = False
+
+    def emit(self, record: Optional[dict], line: int) -> None:
+        """Write one finished record (None: a row skipped as already done)."""
+        summary = self.summary
+        if record is None:
+            summary.rows += 1
+            summary.skipped += 1
+            self.bar.update(1)
+            return
+        try:
+            self.writer.write(record)
+            if self.stats:
+                self.stats.write(rec.stats_entry(record, line))
+        except BrokenPipeError:
+            summary.pipe_closed = self.stopped = True
+            _silence_stdout()
+            return
+        except OSError as e:
+            summary.io_error = f"cannot write: {e.strerror or e} ({e.filename or 'output'})"
+            self.stopped = True
+            return
+        summary.rows += 1
+        if record["error"] is None:
+            summary.ok += 1
+            summary.tokens_seen += record["tokens_seen"]
+            summary.tokens_kept += record["tokens_kept"]
+            summary.generated_tokens += record["generated_tokens"]
+            self.decode_s += record["decode_s"] or 0.0
+            self.ratios.append(record["compression_ratio"])
+        else:
+            summary.failed += 1
+            kind = record["error"]["type"]
+            summary.errors[kind] = summary.errors.get(kind, 0) + 1
+            if not self.bar.disable:  # per-row notes only beside a live progress bar
+                tqdm.write(f"error: {record['error']['message']}", file=sys.stderr)
+        self.bar.set_postfix({"ok": summary.ok, "failed": summary.failed,
+                              "tok/s": f"{summary.generated_tokens / self.decode_s:.1f}" if self.decode_s else "-",
+                              "compress": f"{sum(self.ratios) / len(self.ratios):.2f}x" if self.ratios else "-"},
+                             refresh=False)
+        self.bar.update(1)
+
+    def finish(self, wall_s: float) -> None:
+        summary = self.summary
+        summary.wall_s = wall_s
+        if self.ratios:
+            summary.compression_mean = sum(self.ratios) / len(self.ratios)
+            summary.compression_min, summary.compression_max = min(self.ratios), max(self.ratios)
+        if wall_s > 0:
+            summary.tokens_per_s = summary.tokens_seen / wall_s
+            summary.generated_tokens_per_s = summary.generated_tokens / wall_s
+
+
+def _silence_stdout() -> None:
+    # The reader left: point stdout at /dev/null so the interpreter's final flush
+    # does not print a BrokenPipeError traceback.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+

@@ -1,0 +1,312 @@
+"""Several rows decoded together, each evicting exactly as it would alone: the one
+scheduler every batched path uses (the batched Python API, ``answer_questions``
+and ``knorm-batch``).
+
+This runs on mlx_lm's own ``BatchGenerator`` (continuous batching: each step
+decodes the running rows, then prefills a chunk of waiting ones). The eviction
+caches join its batch protocol: ``L2NormKVCache.merge`` builds a
+:class:`~knorm_gen.cache.BatchL2NormKVCache`. The one thing the generator cannot
+host unaided is the model's shared full-attention mask, so every step runs inside
+:func:`~knorm_gen.mlx_compat.own_layer_masks`.
+
+A :class:`Job` is a prompt (one sequence) or a context with questions: the
+context is prefilled once through its own eviction cache, in
+``prefill_step_size`` blocks, and each question then joins the same continuous
+batch as every other row with a pinned copy of it (question and answer never
+evicted). :func:`run_jobs` admits jobs while fewer than ``batch_size``
+sequences are in flight and yields each job as its last sequence finishes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterable, Iterator, Optional, Sequence, Union
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import make_sampler
+
+from .cache import L2NormKVCache, copy_caches, make_eviction_cache
+from .config import DEFAULT_PREFILL_STEP, GenerationConfig, ResolvedEviction, settings_dict
+from .mlx_compat import generator_step, own_layer_masks
+from .prompts import as_tokenizer
+from .results import GenerationResult
+
+DEFAULT_BATCH_SIZE = 8
+"""Rows decoded together by default (benchmarks/bench_batch.py; README, Results)."""
+
+
+def make_row_sampler(generation: GenerationConfig):
+    """mlx_lm's sampler for a row's settings."""
+    return make_sampler(temp=generation.temperature, top_p=generation.top_p if generation.top_p < 1 else 0.0)
+
+
+@dataclass
+class _Sequence:
+    key: Hashable
+    config: dict
+    prompt_tokens: int
+    question: Optional[str] = None
+    context_prefill_s: Optional[float] = None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    done_prompt: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+
+class BatchEngine:
+    """Sequences in, :class:`GenerationResult` out as they finish, over one
+    ``BatchGenerator``. All sequences share one resolved eviction config (a batch
+    cache holds one budget) and one ``prefill_step_size``; each has its own
+    :class:`GenerationConfig` (``max_tokens``, ``temperature``, ``top_p``).
+
+    Time is shared, so it is attributed: each step's decode time goes in equal
+    parts to the sequences it decoded; the rest of the step (prefill chunks, and
+    the first forward of sequences entering decode) goes to the sequences
+    prefilled in that step in proportion to their tokens, or to the decoded ones
+    when none was. Summed over sequences, the attributed times add up to the
+    engine's wall time. ``peak_memory_gb`` is the process peak while the
+    sequence was in flight, which the whole batch shares.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, eviction: ResolvedEviction, *,
+                 batch_size: int = DEFAULT_BATCH_SIZE, prefill_step_size: int = DEFAULT_PREFILL_STEP,
+                 seed: Optional[int] = None):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        self.model = model
+        self.tok = as_tokenizer(tokenizer)
+        self.eviction = eviction
+        self.prefill_step_size = prefill_step_size
+        if seed is not None:
+            mx.random.seed(seed)
+        self._gen = BatchGenerator(
+            model,
+            stop_tokens=[[t] for t in self.tok.eos_token_ids],
+            completion_batch_size=batch_size,
+            prefill_batch_size=batch_size,
+            prefill_step_size=prefill_step_size,
+        )
+        self._rows: dict[int, _Sequence] = {}
+        mx.reset_peak_memory()
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def add(self, key: Hashable, ids: Sequence[int], generation: GenerationConfig, *,
+            caches: Optional[list] = None, prompt_tokens: Optional[int] = None, question: Optional[str] = None,
+            context_prefill_s: Optional[float] = None) -> None:
+        """Queue a sequence: ``ids`` to feed (after ``caches``' history, if given)."""
+        (uid,) = self._gen.insert(
+            [list(ids)], max_tokens=[generation.max_tokens],
+            caches=[caches if caches is not None else make_eviction_cache(self.model, self.eviction)],
+            samplers=[make_row_sampler(generation)],
+        )
+        self._rows[uid] = _Sequence(key, settings_dict(self.eviction, generation),
+                                    prompt_tokens if prompt_tokens is not None else len(ids), question,
+                                    context_prefill_s, prefill_s=context_prefill_s or 0.0)
+
+    def prefill_context(self, ids: Sequence[int]) -> tuple[list, float]:
+        """A context compressed once through a fresh cache list, in blocks: ``(caches, seconds)``."""
+        caches = make_eviction_cache(self.model, self.eviction)
+        tic = time.perf_counter()
+        step = self.prefill_step_size
+        for start in range(0, len(ids), step):
+            self.model(mx.array(ids[start : start + step])[None], cache=caches)
+            mx.eval([c.state for c in caches])
+        return caches, time.perf_counter() - tic
+
+    def add_questions(self, key: Hashable, context_ids: Sequence[int], questions: Sequence[str],
+                      question_ids: Sequence[Sequence[int]], generation: GenerationConfig) -> None:
+        """Prefill a context once, then queue one sequence per question (key ``(key, i)``)
+        with its own pinned copy: question and answer tokens are never evicted."""
+        caches, context_s = self.prefill_context(context_ids)
+        for i, (q, ids) in enumerate(zip(questions, question_ids)):
+            own = copy_caches(caches)
+            for c in own:
+                if isinstance(c, L2NormKVCache):
+                    c.pin()
+            self.add((key, i), ids, generation, caches=own, prompt_tokens=len(context_ids) + len(ids),
+                     question=q, context_prefill_s=context_s)
+
+    def step(self) -> list[tuple[Hashable, GenerationResult]]:
+        """One generator step; the sequences that finished in it."""
+        with own_layer_masks(self.model):
+            prefilled, decoded, timing = generator_step(self._gen)
+        self._attribute(timing, prefilled, decoded)
+        finished = []
+        for r in decoded:
+            row = self._rows[r.uid]
+            row.tokens.append(r.token)
+            if r.finish_reason is not None:
+                del self._rows[r.uid]
+                finished.append((row.key, self._result(row, r.finish_reason, r.caches)))
+        return finished
+
+    def run(self) -> Iterator[tuple[Hashable, GenerationResult]]:
+        """Step until every queued sequence has finished, yielding them as they finish."""
+        while self._rows:
+            yield from self.step()
+
+    def close(self) -> None:
+        self._gen.close()
+
+    def _attribute(self, timing, prefilled, decoded) -> None:
+        rows = [self._rows[r.uid] for r in decoded]
+        for row in rows:
+            row.decode_s += timing.decode_s / len(rows)
+        shares = {}
+        for p in prefilled:
+            row = self._rows[p.uid]
+            shares[p.uid] = max(p.done - row.done_prompt, 0) + (1 if p.entered_decode else 0)
+            row.done_prompt = p.done
+        rest = max(timing.wall_s - timing.decode_s, 0.0)
+        total = sum(shares.values())
+        if total:
+            for uid, n in shares.items():
+                self._rows[uid].prefill_s += rest * n / total
+        elif rows:
+            for row in rows:
+                row.decode_s += rest / len(rows)
+
+    def _result(self, row: _Sequence, finish_reason: str, caches: list) -> GenerationResult:
+        text_tokens = row.tokens[:-1] if finish_reason == "stop" else row.tokens
+        detok = self.tok.detokenizer
+        detok.reset()
+        for t in text_tokens:
+            detok.add_token(t)
+        detok.finalize()
+        n = len(row.tokens)
+        return GenerationResult.from_caches(
+            caches,
+            text=detok.text,
+            finish_reason=finish_reason,
+            prompt_tokens=row.prompt_tokens,
+            generated_tokens=n,
+            prefill_s=row.prefill_s,
+            decode_s=row.decode_s,
+            prompt_tps=row.prompt_tokens / row.prefill_s if row.prefill_s > 0 else 0.0,
+            generation_tps=n / row.decode_s if row.decode_s > 0 else 0.0,
+            peak_memory_gb=mx.get_peak_memory() / 1e9,
+            config=row.config,
+            question=row.question,
+            context_prefill_s=row.context_prefill_s,
+            tokens=row.tokens,
+        )
+
+
+# ---- the scheduler ------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """One unit of work for :func:`run_jobs`: a prompt (``ids``), or a context
+    (``context_ids``) with ``questions`` and their ``question_ids``.
+    ``tag`` is the caller's (the runner keeps its row there)."""
+
+    key: Hashable
+    eviction: ResolvedEviction
+    generation: GenerationConfig
+    ids: Optional[list[int]] = None
+    context_ids: Optional[list[int]] = None
+    questions: Sequence[str] = ()
+    question_ids: Sequence[Sequence[int]] = ()
+    tag: Any = None
+
+    @property
+    def sequences(self) -> int:
+        return 1 if self.ids is not None else len(self.questions)
+
+    @property
+    def batch_key(self) -> tuple:
+        """Jobs decode together only when their caches can merge: one eviction plan
+        and one prefill step per engine."""
+        return (self.eviction, self.generation.prefill_step_size)
+
+
+Outcome = Union[list[GenerationResult], Exception]
+
+
+def run_jobs(model: Any, tokenizer: Any, jobs: Iterable[Job], *, batch_size: int = DEFAULT_BATCH_SIZE,
+             seed: Optional[int] = None,
+             alone: Optional[Callable[[Job], list[GenerationResult]]] = None) -> Iterator[tuple[Job, Outcome]]:
+    """Run ``jobs`` through one continuous batch, yielding ``(job, results)`` as each
+    job finishes (one result per prompt, one per question, in order).
+
+    Jobs are read lazily: the next is taken only while fewer than ``batch_size``
+    sequences are in flight, so an endless iterable works. A job whose settings
+    differ from the running batch's (another budget) waits until the batch has
+    drained, then starts a new one (seeded again with ``seed``). If a batch step
+    fails, every job in flight is run again with ``alone`` (when given), so that
+    only a bad one fails: its outcome is then the exception. Without ``alone``
+    the failure propagates."""
+    engine: Optional[BatchEngine] = None
+    flight: dict[Hashable, tuple[Job, list]] = {}  # job key -> (job, results by sequence)
+
+    def finish(key, result) -> Optional[tuple[Job, Outcome]]:
+        job_key, index = key
+        job, results = flight[job_key]
+        results[index] = result
+        if all(r is not None for r in results):
+            del flight[job_key]
+            return job, results
+        return None
+
+    def step() -> Iterator[tuple[Job, Outcome]]:
+        nonlocal engine
+        try:
+            finished = engine.step()
+        except KeyboardInterrupt:
+            raise
+        except Exception:  # noqa: BLE001 - the batch failed: run its jobs alone, so only a bad one fails
+            if alone is None:
+                raise
+            stuck = [job for job, _ in flight.values()]
+            flight.clear()
+            engine = None
+            for job in stuck:
+                yield job, _alone(alone, job)
+            return
+        for key, result in finished:
+            done = finish(key, result)
+            if done is not None:
+                yield done
+
+    def drain() -> Iterator[tuple[Job, Outcome]]:
+        while engine is not None and len(engine):
+            yield from step()
+
+    for job in jobs:
+        if engine is not None and job.batch_key != (engine.eviction, engine.prefill_step_size):
+            yield from drain()
+            engine = None
+        if engine is None:
+            engine = BatchEngine(model, tokenizer, job.eviction, batch_size=batch_size,
+                                 prefill_step_size=job.generation.prefill_step_size, seed=seed)
+        flight[job.key] = (job, [None] * job.sequences)
+        try:
+            if job.ids is not None:
+                engine.add((job.key, 0), job.ids, job.generation)
+            else:
+                engine.add_questions(job.key, job.context_ids, job.questions, job.question_ids, job.generation)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # noqa: BLE001 - a context whose prefill fails is that job's failure
+            if alone is None:
+                raise
+            del flight[job.key]
+            yield job, e
+            continue
+        while engine is not None and len(engine) >= batch_size:
+            yield from step()
+    yield from drain()
+
+
+def _alone(alone: Callable[[Job], list[GenerationResult]], job: Job) -> Outcome:
+    try:
+        return alone(job)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - reported as that job's outcome
+        return e

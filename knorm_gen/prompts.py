@@ -1,0 +1,140 @@
+"""From what a user gives to the token ids a model is fed: text, token ids or chat
+messages; a context with questions split where the questions begin; and the
+check that a prompt fits the model's context."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import mlx.core as mx
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .config import DEFAULT_QUESTION_SEPARATOR
+from .models import model_context_length
+
+Prompt = Union[str, Sequence[int], mx.array, Sequence[dict]]
+
+
+class PromptTooLongError(ValueError):
+    """A prompt has more tokens than the model's context length."""
+
+
+def as_tokenizer(tokenizer: Any) -> TokenizerWrapper:
+    """mlx_lm's wrapper around a tokenizer (its detokenizer and stop ids)."""
+    return tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt, chat: Optional[bool] = None) -> list[int]:
+    """Token ids for text, token ids, or chat messages.
+
+    ``chat=None`` applies the chat template to text when the tokenizer has one
+    (what an instruct model expects); messages always use it.
+    """
+    if isinstance(prompt, mx.array):
+        ids = prompt.tolist()
+    elif isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("prompt is empty")
+        if chat is None:
+            chat = has_chat_template(tokenizer)
+        if chat:
+            return encode_prompt(tokenizer, [{"role": "user", "content": prompt}])
+        ids = encode_text(tokenizer, prompt)
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        ids = _encode_messages(tokenizer, prompt, chat)
+    elif isinstance(prompt, (list, tuple)):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt must be text, a list of token ids, or a list of chat messages")
+        ids = list(prompt)
+    else:
+        raise ValueError(f"prompt must be text, token ids or chat messages, not {type(prompt).__name__}")
+    if len(ids) == 0:
+        raise ValueError("prompt is empty")
+    return list(ids)
+
+
+def _encode_messages(tokenizer: Any, messages: Sequence[dict], chat: Optional[bool]) -> list[int]:
+    for i, m in enumerate(messages):
+        if "role" not in m or "content" not in m:
+            raise ValueError(f"chat message {i} needs 'role' and 'content' keys, got {sorted(m)}")
+    if chat is False:
+        raise ValueError("chat messages need the chat template; do not pass chat=False with messages")
+    if not has_chat_template(tokenizer):
+        raise ValueError("this tokenizer has no chat template, so chat messages cannot be rendered")
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict):  # transformers may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Plain text to ids, with the tokenizer's BOS unless the text starts with it."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return list(tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
+
+
+def check_length(model: Any, n_prompt: int) -> None:
+    """Raise :class:`PromptTooLongError` when ``n_prompt`` tokens exceed the model context."""
+    ctx = model_context_length(model)
+    if ctx is not None and n_prompt > ctx:
+        raise PromptTooLongError(f"prompt has {n_prompt} tokens, longer than the model context of {ctx} tokens")
+
+
+def _common_prefix(first: Sequence[int], *others: Sequence[int]) -> int:
+    n = len(first)
+    for other in others:
+        n = min(n, len(other))
+        n = next((i for i in range(n) if first[i] != other[i]), n)
+    return n
+
+
+def split_question_prompts(
+    tokenizer: Any, context: str, questions: Sequence[str], *, chat: bool,
+    question_separator: str = DEFAULT_QUESTION_SEPARATOR,
+) -> tuple[list[int], list[list[int]]]:
+    """``(shared, rests)``: token ids of the context part shared by every question,
+    and of each question's remainder, so that ``shared + rests[i]`` equals the
+    ids of the whole prompt ``context + question_separator + questions[i]``
+    encoded at once (through the chat template when ``chat``; exactly that
+    text, nothing after it, in completion mode).
+
+    The shared part is the longest token prefix common to every whole prompt
+    and to the context alone: a token that BPE merges across the boundary
+    belongs to the question, so no split ever tokenizes differently from the
+    whole prompt.
+    """
+    wholes = [encode_prompt(tokenizer, context + question_separator + q, chat) for q in questions]
+    if chat:
+        marker = "\x00KNORM_QUESTION\x00"
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": context + marker}], add_generation_prompt=True, tokenize=False)
+        head = tokenizer.encode(rendered[: rendered.index(marker)], add_special_tokens=False)
+    else:
+        head = encode_text(tokenizer, context)
+    n = _common_prefix(head, *wholes)
+    return wholes[0][:n], [w[n:] for w in wholes]
+
+
+def question_prompts(model: Any, tokenizer: Any, context: Any, questions: Any, *, chat: Optional[bool],
+                     question_separator: str) -> tuple[list[str], list[int], list[list[int]]]:
+    """``(questions, context_ids, question_ids)`` for a context and its questions,
+    validated (ValueError names the problem) and checked against the model context."""
+    if not isinstance(context, str) or not context.strip():
+        raise ValueError("context is empty")
+    if isinstance(questions, str):
+        questions = [questions]
+    questions = list(questions)
+    if not questions:
+        raise ValueError("questions is empty")
+    for i, q in enumerate(questions):
+        if not isinstance(q, str) or not q.strip():
+            raise ValueError(f"question {i} is empty or not text")
+    chat = has_chat_template(tokenizer) if chat is None else chat
+    prefix, rests = split_question_prompts(tokenizer, context, questions, chat=chat,
+                                           question_separator=question_separator)
+    check_length(model, len(prefix) + max(len(r) for r in rests))
+    return questions, prefix, rests

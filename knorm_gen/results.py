@@ -1,0 +1,57 @@
+"""What one generated row returns: the text and the numbers that describe its cost."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+from .memory import cache_stats
+
+
+@dataclass
+class GenerationResult:
+    """A completion and the numbers that describe what it cost.
+
+    ``tokens_seen`` is the number of positions the cache processed (prompt plus
+    every generated token fed back, read from the cache's offset);
+    ``tokens_kept`` the positions a layer at the base ``budget`` holds (the fewest
+    any compressed layer holds: ``early_factor`` gives the first 30% of layers more than the
+    budget, and ``layer_budgets`` may give others more; ``kept_bytes`` counts them all);
+    ``compression_ratio = full_bytes / kept_bytes`` over all layers;
+    ``kv_ceiling_bytes`` the most this configuration can ever hold for one row
+    (None when some layer keeps every token, so memory grows with the input).
+    """
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    generated_tokens: int
+    tokens_seen: int
+    tokens_kept: int
+    compression_ratio: float
+    kept_bytes: int
+    full_bytes: int
+    kv_ceiling_bytes: Optional[int]
+    prefill_s: float
+    decode_s: float
+    prompt_tps: float
+    generation_tps: float
+    peak_memory_gb: float
+    config: dict = field(default_factory=dict)
+    question: Optional[str] = None
+    context_prefill_s: Optional[float] = None
+    tokens: list = field(default_factory=list)
+    """The generated token ids, the final one included (an end-of-sequence token when
+    ``finish_reason`` is ``"stop"``)."""
+
+    def to_dict(self) -> dict:
+        """A JSON-serialisable dict."""
+        return asdict(self)
+
+    @classmethod
+    def from_caches(cls, caches: Sequence[Any], **fields: Any) -> "GenerationResult":
+        """A result whose cache numbers are read from ``caches`` (see :func:`cache_stats`)."""
+        stats = cache_stats(caches)
+        return cls(tokens_seen=stats.tokens_seen, tokens_kept=stats.tokens_kept,
+                   compression_ratio=stats.compression_ratio, kept_bytes=stats.kept_bytes,
+                   full_bytes=stats.full_bytes, kv_ceiling_bytes=stats.ceiling_bytes, **fields)
