@@ -516,8 +516,9 @@ def _check_blocks(contents: GGUFContents, meta: _Meta, n_blocks: int) -> None:
         head, _, rest = name.partition(".")
         if head == "blk" and (index := rest.partition(".")[0]).isdigit():
             found.add(int(index))
-    if found != set(range(n_blocks)):
-        holds = f"blocks blk.0 to blk.{max(found)}" if found == set(range(len(found))) and found else (
+    contiguous = bool(found) and min(found) == 0 and max(found) == len(found) - 1
+    if not (contiguous and len(found) == n_blocks):  # never sized by n_blocks: it may be 2^32-1
+        holds = f"blocks blk.0 to blk.{max(found)}" if contiguous else (
             f"{len(found)} blocks" + (f" (blk.{min(found)} to blk.{max(found)}, with gaps)" if found else ""))
         raise InvalidGGUFError(
             f"GGUF metadata {meta.key(gguf.Keys.LLM.BLOCK_COUNT)!r} is {n_blocks} but the file's tensors are "
