@@ -518,6 +518,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--docs", type=int, default=3, help="perplexity documents per length")
     ap.add_argument("--summary-docs", type=int, default=8, help="documents summarized")
     ap.add_argument("--fidelity-docs", type=int, default=20, help="fidelity: documents (benchmarks/documents.py order)")
+    ap.add_argument("--pilot", action="store_true",
+                    help="fidelity: mark the file as a pilot (a few documents to check the set-up; not the results)")
     ap.add_argument("--fidelity-tokens", type=int, default=112, help="fidelity: tokens of the reference summary at most")
     ap.add_argument("--seed", type=int, default=0, help="seed of the pass keys (another seed: more cases)")
     ap.add_argument("--add-to", default="",
@@ -561,6 +563,8 @@ def main(argv=None) -> dict:
 
     def save_partial(task, partial, start):  # a checkpoint: a kill never leaves half a file
         partial.update(meta, task=task, seconds=time.perf_counter() - start)
+        if task == "fidelity":
+            partial.update(arms=list(fidelity_arms), pilot=args.pilot)
         tmp = out_dir / f".quality_{task}{slug}.json.tmp"
         tmp.write_text(json.dumps(partial, indent=1))
         tmp.replace(out_dir / f"quality_{task}{slug}.json")
@@ -611,6 +615,8 @@ def main(argv=None) -> dict:
             res = task_summary(model, tok, arms, 1 if args.quick else args.summary_docs, 512 if args.quick else 1024,
                                [128] if args.quick else [256], arm_names, 16 if args.quick else 48, log)
         res.update(meta, task=task, seconds=time.perf_counter() - tic)
+        if task == "fidelity":
+            res.update(arms=list(fidelity_arms), pilot=args.pilot)
         path = out_dir / f"quality_{task}{slug}.json"
         path.write_text(json.dumps(res, indent=1))
         log(f"wrote {path} ({res['seconds']:.0f} s)")
