@@ -184,8 +184,11 @@ class FileLock:
                 break
             os.close(fd)
         if self.lock_path != self.path:
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
+            try:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+            except OSError:
+                pass  # a full disk: the lock holds all the same, only its message lacks the pid
         self._fd = fd
         try:
             self.lock_file()
