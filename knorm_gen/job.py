@@ -225,7 +225,8 @@ def plan_resume(output: str, expected: dict[str, Optional[str]], accept_old: boo
         raise BatchUsageError(str(e)) from None
     check_resume(state.records, expected, accept_old, output)
     return ResumePlan(done=set(state.records), keep=[line for _, line in state.records.values()],
-                      keys=list(state.records), rewrite=state.needs_rewrite, torn=state.torn, retried=state.dropped_errors)
+                      keys=list(state.records), rewrite=state.needs_rewrite, torn=state.torn,
+                      retried=state.dropped_errors)
 
 
 # ------------------------------------------------------------------ the run
@@ -536,7 +537,8 @@ def _reconcile_stats(path: str, plan: ResumePlan, lines: dict) -> None:
     for key, line in zip(plan.keys, plan.keep):
         raw = entries.get(key)
         if raw is None:
-            raw = rec.dump_record(rec.stats_entry(json.loads(line), lines.get(key)))
+            record = {**dict.fromkeys(rec.RECORD_FIELDS), **json.loads(line)}  # an old record may lack some
+            raw = rec.dump_record(rec.stats_entry(record, lines.get(key)))
         want.append(raw)
     if b"".join(want) != data:
         rewrite_atomically(path, want)
