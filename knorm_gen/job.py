@@ -541,7 +541,10 @@ def _reconcile_stats(path: str, plan: ResumePlan, lines: dict) -> None:
             raw = rec.dump_record(rec.stats_entry(record, lines.get(key)))
         want.append(raw)
     if b"".join(want) != data:
-        rewrite_atomically(path, want)
+        try:
+            rewrite_atomically(path, want)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, path) from None  # name the stats log, not its temp file
 
 
 def _plan_group(files: _Files, expected: dict, options: BatchOptions, group: Group,
