@@ -145,14 +145,19 @@ class FileLock:
 
     The lock lives on a sidecar ``.NAME.lock`` holding the owner's pid, because
     the file itself may be replaced by an atomic rewrite (a lock on the old
-    inode would then guard nothing). ``flock`` is dropped by the kernel when
-    the owner dies, even by ``kill -9``, so a crash never leaves a stale lock.
+    inode would then guard nothing). The sidecar sits beside the file a
+    symlink points to, so every name of a file shares one lock; the file
+    itself (its inode) is locked too, which catches a hard link's other name
+    (:meth:`lock_file`). ``flock`` is dropped by the kernel when the owner
+    dies, even by ``kill -9``, so a crash never leaves a stale lock.
     """
 
     def __init__(self, path: Union[str, Path]):
         self.path = Path(path)
-        self.lock_path = self.path.with_name(f".{self.path.name}.lock")
+        target = Path(os.path.realpath(self.path))
+        self.lock_path = target.with_name(f".{target.name}.lock")
         self._fd: Optional[int] = None
+        self._file_fds: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> a locked fd on it
 
     def acquire(self) -> "FileLock":
         while True:
@@ -179,10 +184,42 @@ class FileLock:
                 break
             os.close(fd)
         if self.lock_path != self.path:
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
+            try:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+            except OSError:
+                pass  # a full disk: the lock holds all the same, only its message lacks the pid
         self._fd = fd
+        try:
+            self.lock_file()
+        except LockHeld:
+            self.release()
+            raise
         return self
+
+    def lock_file(self) -> None:
+        """Lock the file the path names now (when it is a regular file), once per inode:
+        a run on another name of it (a hard link) finds it held. Call again once the
+        file exists or was replaced by a rewrite."""
+        if self.lock_path == self.path:
+            return  # the file itself is the lock already
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            return  # not there yet: the sidecar guards it
+        st = os.fstat(fd)
+        ident = (st.st_dev, st.st_ino)
+        if not stat.S_ISREG(st.st_mode) or ident in self._file_fds:
+            os.close(fd)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LockHeld(f"{self.path} is being written by another knorm-batch run under another name of "
+                           "the same file (a hard link); wait for it to finish, or write to another "
+                           "--output") from None
+        self._file_fds[ident] = fd
 
     @staticmethod
     def _holder(fd: int) -> str:
@@ -193,6 +230,9 @@ class FileLock:
         return f" (pid {pid})" if pid.isdigit() else ""
 
     def release(self) -> None:
+        for fd in self._file_fds.values():
+            os.close(fd)
+        self._file_fds.clear()
         if self._fd is None:
             return
         if self.lock_path != self.path:
@@ -211,16 +251,61 @@ class FileLock:
 
 
 def rewrite_atomically(path: Union[str, Path], lines: list[bytes]) -> None:
-    """Replace ``path`` with ``lines``: temp file, fsync, rename, fsync the folder."""
-    path = Path(path)
+    """Replace ``path`` with ``lines``: temp file, fsync, rename, fsync the folder.
+    A symlink keeps pointing where it did: its target is rewritten. A failed
+    rewrite leaves the file as it was and no temp file behind."""
+    path = Path(os.path.realpath(path))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.writelines(lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def remove_stale_temps(path: Union[str, Path]) -> list[Path]:
+    """Remove the ``.NAME.PID.tmp`` files that :func:`rewrite_atomically` left beside
+    ``path`` (or beside its symlink's target) when process PID died mid-rewrite.
+    Those of a live process other than this one are kept. Call it before this
+    process rewrites ``path``, holding its lock where it has one."""
+    removed = []
+    for p in dict.fromkeys([Path(path), Path(os.path.realpath(path))]):
+        prefix = f".{p.name}."
+        try:
+            names = os.listdir(p.parent)
+        except OSError:
+            continue
+        for name in names:
+            pid = name[len(prefix):-len(".tmp")]
+            if not (name.startswith(prefix) and name.endswith(".tmp") and pid.isdigit()) or _alive(int(pid)):
+                continue
+            try:
+                os.unlink(p.parent / name)
+                removed.append(p.parent / name)
+            except OSError:
+                pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # an earlier process with this pid: this one has written none yet
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # someone else's process
+    return True

@@ -38,6 +38,7 @@ from .files import (
     default_output,
     is_stream,
     open_input,
+    remove_stale_temps,
     repair_torn_tail,
     rewrite_atomically,
 )
@@ -188,6 +189,7 @@ class ResumePlan:
 
     done: set[str] = field(default_factory=set)
     keep: list[bytes] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)  # the id of each line of ``keep``
     rewrite: bool = False
     torn: bool = False
     retried: int = 0
@@ -223,7 +225,8 @@ def plan_resume(output: str, expected: dict[str, Optional[str]], accept_old: boo
         raise BatchUsageError(str(e)) from None
     check_resume(state.records, expected, accept_old, output)
     return ResumePlan(done=set(state.records), keep=[line for _, line in state.records.values()],
-                      rewrite=state.needs_rewrite, torn=state.torn, retried=state.dropped_errors)
+                      keys=list(state.records), rewrite=state.needs_rewrite, torn=state.torn,
+                      retried=state.dropped_errors)
 
 
 # ------------------------------------------------------------------ the run
@@ -315,6 +318,7 @@ class _Files:
                 if path is not None and not is_stream(path):
                     Path(path).parent.mkdir(parents=True, exist_ok=True)
                     locks.append(FileLock(path).acquire())
+                    remove_stale_temps(path)  # a killed rewrite's copy: ours to remove, holding the lock
         except LockHeld as e:
             for lock in locks:
                 lock.release()
@@ -333,6 +337,7 @@ class _Prepared:
     expected: dict  # every input row's id -> the fingerprint its record would carry now
     total: int  # rows this process will see
     limit: Optional[int] = None
+    lines: dict = field(default_factory=dict)  # every input row's id -> its line number
 
 
 def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokenizer, progress, log, stdout,
@@ -343,11 +348,19 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
     with _Signals(log) as signals:
         ready = _prepare(files, options, model, tokenizer, group)
         try:
-            plan = _plan(files, ready.expected, options, group, log if progress else None)
+            try:
+                plan = _plan(files, ready.expected, options, group, log if progress else None, ready.lines)
+            except OSError as e:  # a rewrite (a torn line cut) on a full disk
+                raise BatchUsageError(f"cannot rewrite {e.filename or files.own_output}: {e.strerror or e}; "
+                                      "nothing was run") from None
             writer = _open_writer(files.own_output, options.overwrite, stdout)
             stats = _open_writer(files.own_stats, options.overwrite, None) if files.own_stats else None
+            for lock in ready.locks:
+                lock.lock_file()  # the files as they are now: created, or replaced by a rewrite
         except BaseException as e:
             _release(ready)
+            if isinstance(e, LockHeld):
+                raise BatchUsageError(str(e)) from None
             if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
                 raise Interrupted from None
             raise
@@ -385,6 +398,8 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
         files.check(options, group)
         stream = open_input(files.input)
         locks = files.lock(group)
+        if options.summary_json and group.rank == 0 and not is_stream(options.summary_json):
+            remove_stale_temps(options.summary_json)
         if model is None:
             model, tokenizer = get_model(options.model)
         try:
@@ -393,8 +408,8 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
         except ValueError as e:
             raise BatchUsageError(str(e)) from None
         memory = kv_memory(model, runner.base.eviction)
-        expected, total = _scan_rows(stream, runner, options.limit, group)
-        ready = _Prepared(stream, locks, runner, memory, expected, total, options.limit)
+        expected, total, lines = _scan_rows(stream, runner, options.limit, group)
+        ready = _Prepared(stream, locks, runner, memory, expected, total, options.limit, lines)
     except KeyboardInterrupt:
         error = Interrupted()
     except BaseException as e:  # noqa: BLE001 - in a group, every rank must hear of it (below)
@@ -461,18 +476,18 @@ def _write_summary(path: Optional[str], summary: BatchSummary) -> None:
 
 
 def _plan(files: _Files, expected: dict, options: BatchOptions, group: Group,
-          log: Optional[Callable[[str], None]]) -> ResumePlan:
+          log: Optional[Callable[[str], None]], lines: Optional[dict] = None) -> ResumePlan:
     """What is already done. One process: its output. A group: every rank's earlier
     records (its part files and, on rank 0's machine, the final output), exchanged."""
     if is_stream(files.own_output):
         return ResumePlan()
     if group.distributed:
         return _plan_group(files, expected, options, group, log)
-    return _plan_alone(files, expected, options, log)
+    return _plan_alone(files, expected, options, log, lines or {})
 
 
 def _plan_alone(files: _Files, expected: dict, options: BatchOptions,
-                log: Optional[Callable[[str], None]]) -> ResumePlan:
+                log: Optional[Callable[[str], None]], lines: dict) -> ResumePlan:
     parts = local_parts(files.output)
     if options.overwrite:
         for path in parts:
@@ -485,6 +500,7 @@ def _plan_alone(files: _Files, expected: dict, options: BatchOptions,
         extra = list({k: (fp, line) for k, fp, line in extra}.items())
         check_resume(dict(extra), expected, options.accept_old_records, files.output)
         plan.keep += [line for _, (_, line) in extra]
+        plan.keys += [k for k, _ in extra]
         plan.done |= {k for k, _ in extra}
         plan.rewrite = True
     if plan.rewrite:
@@ -492,12 +508,43 @@ def _plan_alone(files: _Files, expected: dict, options: BatchOptions,
         for path in parts:
             path.unlink(missing_ok=True)
     if files.own_stats and not is_stream(files.own_stats):
-        repair_torn_tail(files.own_stats)
+        _reconcile_stats(files.own_stats, plan, lines)
     if (plan.done or plan.rewrite) and log:
         log(f"resuming {files.own_output}: {len(plan.done)} rows already done"
             + (f", {plan.retried} failed rows to retry" if plan.retried else "")
             + (", cut a torn last line" if plan.torn else ""))
     return plan
+
+
+def _reconcile_stats(path: str, plan: ResumePlan, lines: dict) -> None:
+    """Make the stats log hold exactly one entry per record the output keeps, in
+    the output's order: the record's own entry where the log has one, else one
+    rebuilt from the record (a kill between a record and its entry, a full disk
+    under the stats log). Entries of dropped records and a torn line go."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        data = b""
+    entries: dict[str, bytes] = {}
+    for raw in data.splitlines(keepends=True):
+        try:
+            entry = json.loads(raw) if raw.endswith(b"\n") else None
+        except (ValueError, RecursionError):
+            entry = None
+        if isinstance(entry, dict) and "id" in entry and entry.get("error") is None:
+            entries[rec.id_key(entry["id"])] = raw  # the latest entry of an id is its record's
+    want = []
+    for key, line in zip(plan.keys, plan.keep):
+        raw = entries.get(key)
+        if raw is None:
+            record = {**dict.fromkeys(rec.RECORD_FIELDS), **json.loads(line)}  # an old record may lack some
+            raw = rec.dump_record(rec.stats_entry(record, lines.get(key)))
+        want.append(raw)
+    if b"".join(want) != data:
+        try:
+            rewrite_atomically(path, want)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, path) from None  # name the stats log, not its temp file
 
 
 def _plan_group(files: _Files, expected: dict, options: BatchOptions, group: Group,
@@ -605,18 +652,21 @@ def _open_writer(path: str, fresh: bool, stdout: Optional[BinaryIO]) -> rec.Reco
 
 
 def _scan_rows(stream: BinaryIO, runner: RowRunner, limit: Optional[int],
-               group: Group) -> tuple[dict[str, Optional[str]], int]:
-    """Every input row's id -> the fingerprint its record would carry, and the
-    number of rows this process will see (after --limit, in its share)."""
+               group: Group) -> tuple[dict[str, Optional[str]], int, dict[str, int]]:
+    """Every input row's id -> the fingerprint its record would carry, the
+    number of rows this process will see (after --limit, in its share), and
+    every row's id -> its line number."""
     expected: dict[str, Optional[str]] = {}
+    lines: dict[str, int] = {}
     total = 0
     for n, item in enumerate(read_rows(stream)):
         if isinstance(item, Row):
             expected[item.key] = runner.fingerprint(item)
+            lines[item.key] = item.line
         if (limit is None or n < limit) and shard_of(n, group.size) == group.rank:
             total += 1
     stream.seek(0)
-    return expected, total
+    return expected, total, lines
 
 
 # ------------------------------------------------------------------ signals and output
@@ -675,16 +725,21 @@ class _Sink:
             return
         try:
             self.writer.write(record)
-            if self.stats:
-                self.stats.write(rec.stats_entry(record, line))
         except BrokenPipeError:
             summary.pipe_closed = self.stopped = True
             _silence_stdout()
             return
         except OSError as e:
-            summary.io_error = f"cannot write: {e.strerror or e} ({e.filename or 'output'})"
-            self.stopped = True
-            return
+            self._failed("output", self.writer, e)
+            if not isinstance(e, rec.FileVanished):
+                return  # not written (and cut off again)
+            # written, to a file no name leads to any more: counted, and the message says so
+        if self.stats and not self.stopped:
+            try:
+                self.stats.write(rec.stats_entry(record, line))
+            except OSError as e:  # the record is written and counted; a resume rebuilds its entry
+                self._failed("stats log", self.stats, e)
+                self.stats = None
         summary.rows += 1
         if record["error"] is None:
             summary.ok += 1
@@ -705,8 +760,26 @@ class _Sink:
                              refresh=False)
         self.bar.update(1)
 
+    def _failed(self, what: str, writer, e: OSError) -> None:
+        self.stopped = True
+        if self.summary.io_error:
+            return
+        name = writer.path or "stdout"
+        if isinstance(e, rec.FileVanished):
+            lost = ("the records this run wrote to it are lost; rerun to write them again" if what == "output"
+                    else "a rerun rebuilds it from the output")
+            self.summary.io_error = f"the {what} {name} {e} while this run was writing it: {lost}"
+        else:
+            self.summary.io_error = f"cannot write the {what} {name}: {e.strerror or e}"
+
     def finish(self, wall_s: float) -> None:
         summary = self.summary
+        for what, writer in (("output", self.writer), ("stats log", self.stats)):
+            if writer is not None and not self.stopped:
+                try:
+                    writer.check()  # deleted after its last write: not a success either
+                except rec.FileVanished as e:
+                    self._failed(what, writer, e)
         summary.wall_s = wall_s
         if self.ratios:
             summary.compression_mean = sum(self.ratios) / len(self.ratios)

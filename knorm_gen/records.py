@@ -138,32 +138,73 @@ def dump_record(record: dict) -> bytes:
     return (json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
 
 
+class FileVanished(OSError):
+    """The path a writer was opened on no longer names the file it writes
+    (deleted, its folder removed, or replaced): what it wrote is not there."""
+
+
 class RecordWriter:
     """Append whole lines to a binary stream, durable one at a time.
 
     Each line is written, flushed and fsynced (when the stream is a regular
-    file) before :meth:`write` returns.
+    file) before :meth:`write` returns. A regular file opened by :meth:`open`
+    is written straight to its descriptor: a line that fails (a full disk) is
+    cut off again, so it never leaves a torn line; and after each line the
+    path must still name the open file (:meth:`check`).
     """
 
-    def __init__(self, stream: BinaryIO, close: bool = False):
+    def __init__(self, stream: BinaryIO, close: bool = False, path: Optional[Union[str, Path]] = None):
         self.stream = stream
         self._close = close
+        self.path = path
+        self._ident: Optional[tuple[int, int]] = None
         try:
             self._fd: Optional[int] = stream.fileno()
-            if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+            st = os.fstat(self._fd)
+            if not stat.S_ISREG(st.st_mode):
                 self._fd = None  # pipes and terminals cannot be fsynced
+            elif path is not None:
+                self._ident = (st.st_dev, st.st_ino)
         except (AttributeError, OSError, ValueError):
             self._fd = None
 
     @classmethod
     def open(cls, path: Union[str, Path], fresh: bool = False) -> "RecordWriter":
-        return cls(open(path, "wb" if fresh else "ab"), close=True)
+        return cls(open(path, "wb" if fresh else "ab"), close=True, path=path)
 
     def write(self, record: dict) -> None:
-        self.stream.write(dump_record(record))
-        self.stream.flush()
-        if self._fd is not None:
+        data = dump_record(record)
+        if self._ident is None:
+            self.stream.write(data)
+            self.stream.flush()
+            if self._fd is not None:
+                os.fsync(self._fd)
+            return
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
             os.fsync(self._fd)
+        except OSError:
+            try:
+                os.ftruncate(self._fd, start)  # no torn line: the record was not written
+                os.lseek(self._fd, start, os.SEEK_SET)
+            except OSError:
+                pass
+            raise
+        self.check()
+
+    def check(self) -> None:
+        """Raise :class:`FileVanished` when the path no longer names the open file."""
+        if self._ident is None:
+            return
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            raise FileVanished("was deleted (or its folder was)") from None
+        if (st.st_dev, st.st_ino) != self._ident:
+            raise FileVanished("was replaced by another file")
 
     def close(self) -> None:
         if self._close:

@@ -15,6 +15,13 @@ if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1; then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libopenblas0-pthread >/dev/null
   fi
+  # strace: the tests kill knorm-batch between two writes by fault injection.
+  if ! command -v strace >/dev/null 2>&1; then
+    SUDO=""
+    [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq strace >/dev/null
+  fi
 fi
 
 PYTHON="${PYTHON:-python3}"
