@@ -16,7 +16,7 @@ import pytest
 from knorm_gen.job import BatchOptions, BatchUsageError, run_batch
 from knorm_gen.distributed import Group, local_parts, merge_records, part_path, shard_of
 from knorm_gen import records as rec
-from knorm_gen import rows
+from knorm_gen.rows import Row, RowError
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -157,6 +157,6 @@ def test_sharding_and_merge_order():
     assert part_path("/a/out.jsonl", 1, 4) == "/a/out.part-1-of-4.jsonl"
     ok = [rec.dump_record({"id": i, "error": None, "fingerprint": "f"}) for i in ("a", "b")]
     bad = rec.dump_record({"id": None, "error": {"type": "invalid_json", "message": "m", "line": 2}})
-    items = [rows.Row(1, "a", "prompt"), rows.RowError(2, "invalid_json", "m"), rows.Row(3, "b", "prompt")]
+    items = [Row(1, "a", "prompt"), RowError(2, "invalid_json", "m"), Row(3, "b", "prompt")]
     merged = merge_records(iter(items), [ok[1]], [ok[0] + bad, b""], {"a": "f", "b": "f"}, False)
     assert merged == [ok[0], bad, ok[1]]
