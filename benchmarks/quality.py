@@ -1,8 +1,9 @@
-"""Quality side by side, one run per model: perplexity, passkey retrieval, summaries.
+"""Quality side by side, one run per model: perplexity, passkey retrieval, summaries, summary fidelity.
 
     python benchmarks/quality.py --model default --task all          # SmolLM2 (hours: see README)
     python benchmarks/quality.py --model gemma-3-270m --task passkey
     python benchmarks/quality.py --task passkey --quick              # smoke run
+    python benchmarks/quality.py --task fidelity --fidelity-docs 20 --ratios 4,8
 
 Every eviction arm holds the same token budget per compressed layer; bytes are
 counted over all layers, so each arm's real byte compression is reported beside it.
@@ -22,6 +23,18 @@ counted over all layers, so each arm's real byte compression is reported beside 
   bounded_x4  the same with 4x
 Sliding-window layers (Gemma 3) keep their own caches in every arm.
 
+Fidelity (DESIGN.md section 9) runs its own arms, every one with the default's settings but one:
+  none        the question alone, no document (what the model guesses unaided)
+  default     EvictionConfig(budget): low norm, the model's default layers whole
+  random_same random scores, the default's layers whole
+  low_all     low norm in every full-attention layer (skip_layers=())
+  random_all  random in every full-attention layer
+  recent_all  sinks + most recent in every full-attention layer
+  rotating    as above
+and reports recovered = (nll_none - nll_arm) / (nll_none - nll_full) of a reference summary
+(the full cache's greedy one, and the package authors' one-line summary where there is one)
+after the product path's 512-token block prefill of the document through the arm.
+
 Passkey: a needle sentence in repetitive filler at depths 0.1-0.9, then the cue
 "The pass key is" for the model to complete (completion style: the full cache
 found keys far more often so than with a chat turn, a longer question or prose
@@ -39,6 +52,7 @@ import math
 import random
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -59,10 +73,14 @@ from knorm_gen.prompts import split_question_prompts
 from knorm_gen.models import load_model
 from knorm_gen.probe import probe_model
 
+from documents import documents, missing as missing_documents  # benchmarks/documents.py
+
 RESULTS = Path(__file__).parent / "results"
 ARMS = ("full", "skip30", "bounded_x8", "bounded_x4", "paper", "probe", "keep_high", "random", "streaming",
         "rotating", "default")
 DEFAULT_RUN = ARMS[:-1]  # "default" is skip30 or bounded_x8, whichever the library uses: listed once
+FIDELITY_ARMS = ("full", "none", "default", "random_same", "low_all", "random_all", "recent_all", "rotating")
+QUICK_FIDELITY_ARMS = ("full", "none", "default", "random_same", "rotating")
 
 
 class Arms:
@@ -87,6 +105,12 @@ class Arms:
             "skip30": EvictionConfig(budget=budget, skip_layers=self.early),
             "bounded_x8": EvictionConfig(budget=budget, early_factor=8),
             "bounded_x4": EvictionConfig(budget=budget, early_factor=4),
+            # the fidelity task's arms: the default's settings, only the rule or the layers changed
+            "random_same": EvictionConfig(budget=budget, keep="random",
+                                          skip_layers=EvictionConfig(budget=budget).for_model(self.model).skip_layers),
+            "low_all": EvictionConfig(budget=budget, skip_layers=()),
+            "random_all": EvictionConfig(budget=budget, keep="random", skip_layers=()),
+            "recent_all": EvictionConfig(budget=budget, keep="recent", skip_layers=()),
         }
         return table.get(arm)
 
@@ -332,6 +356,133 @@ def task_summary(model, tok, arms: Arms, n_docs, max_doc_tokens, budgets, arm_na
     return {"max_doc_tokens": max_doc_tokens, "max_tokens": max_tokens, "rows": rows, "summary": summary}
 
 
+# ---------------------------------------------------------------- summary fidelity
+# DESIGN.md section 9: teacher-forced NLL of a reference summary given what the arm's cache
+# holds after the product path's prefill, as the share of the document's worth it recovers.
+FIDELITY_QUESTION = "Summarize the following documentation in three sentences."
+
+
+def _greedy_ids(model, tok, ids: list[int], caches: list, max_tokens: int) -> list[int]:
+    eos = set(tok.eos_token_ids)
+    return [r.token for r in stream_generate(model, tok, mx.array(ids), max_tokens=max_tokens, prompt_cache=caches)
+            if r.token not in eos]
+
+
+def _pinned_copy(caches: list) -> list:
+    out = copy_caches(caches)
+    for c in out:
+        if isinstance(c, L2NormKVCache):
+            c.pin()
+    return out
+
+
+def answer_nll(model, caches: list, prompt_ids: list[int], answer_ids: list[int]) -> float:
+    """Mean NLL (nats per token) of ``answer_ids`` after ``prompt_ids``, fed as ONE block
+    through ``caches``."""
+    logits = model(mx.array(prompt_ids + answer_ids)[None], cache=caches)[0]
+    n = len(prompt_ids)
+    logits = logits[n - 1 : n - 1 + len(answer_ids)].astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return -mx.take_along_axis(logp, mx.array(answer_ids)[:, None], axis=-1).mean().item()
+
+
+def _doc_seed(name: str) -> int:
+    return int.from_bytes(name.encode(), "little") % (2**31)  # the same draws for a document in every run
+
+
+def task_fidelity(model, tok, arms: Arms, docs: list, ratios, arm_names, max_tokens: int, log,
+                  earlier: Optional[dict] = None, on_doc=None, step: int = 512) -> dict:
+    """Per document: the full cache's greedy summary (reference ``self``) and the
+    human summary where there is one (``human``); then, per arm and ratio (budget =
+    context tokens // ratio), the context prefilled through the arm in ``step``-token
+    blocks (the product path), the compressed caches pinned, question + reference as one
+    block, NLL over the reference's tokens. ``none``: the question alone (chat template).
+    ``earlier`` (a results file): its documents join the table and are not run again;
+    ``on_doc(table)`` after every document (a checkpoint)."""
+    rows = list((earlier or {}).get("rows", []))
+    documents = list((earlier or {}).get("documents", []))
+    done = {d["name"] for d in documents}
+    none_prompt = tok.apply_chat_template([{"role": "user", "content": FIDELITY_QUESTION}],
+                                          add_generation_prompt=True, tokenize=True)
+    for doc in docs:
+        if doc.name in done:
+            log(f"fidelity {doc.name}: in the earlier run, not run again")
+            continue
+        prefix, (q_ids,) = split_question_prompts(tok, doc.text, [FIDELITY_QUESTION], chat=True)
+        n_ctx = len(prefix)
+        tic = time.perf_counter()
+        full = _prefill(model, prefix, arms.caches("full", 0), step)
+        prefill_s = time.perf_counter() - tic
+        tic = time.perf_counter()
+        refs = {"self": _greedy_ids(model, tok, q_ids, copy_caches(full), max_tokens)}
+        generate_s = time.perf_counter() - tic
+        if doc.summary:
+            refs["human"] = tok.encode(doc.summary, add_special_tokens=False)
+        documents.append({**doc.meta(), "context_tokens": n_ctx, "reference": tok.decode(refs["self"]),
+                          "full_prefill_s": prefill_s, "generate_s": generate_s})
+
+        def record(arm, ratio, budget, nlls, compression, seconds):
+            for ref, nll in nlls.items():
+                rows.append(dict(doc=doc.name, tokens=n_ctx, ratio=ratio, budget=budget, arm=arm, reference=ref,
+                                 answer_tokens=len(refs[ref]), nll=nll, compression=compression, seconds=seconds))
+
+        tic = time.perf_counter()  # full and none, every table's two ends, always run
+        record("full", None, None, {r: answer_nll(model, copy_caches(full), q_ids, a) for r, a in refs.items()},
+               1.0, time.perf_counter() - tic)
+        tic = time.perf_counter()
+        record("none", None, None, {r: answer_nll(model, arms.caches("full", 0), none_prompt, a)
+                                    for r, a in refs.items()}, None, time.perf_counter() - tic)
+        for ratio in ratios:
+            budget = n_ctx // ratio
+            for arm in arm_names:
+                if arm in ("full", "none"):
+                    continue
+                mx.random.seed(_doc_seed(doc.name))
+                tic = time.perf_counter()
+                caches = _prefill(model, prefix, arms.caches(arm, budget), step)
+                compression = cache_stats(caches).compression_ratio
+                nlls = {r: answer_nll(model, _pinned_copy(caches), q_ids, a) for r, a in refs.items()}
+                record(arm, ratio, budget, nlls, compression, time.perf_counter() - tic)
+        own = {(r["arm"], r["ratio"], r["reference"]): r["nll"] for r in rows if r["doc"] == doc.name}
+        log(f"fidelity {doc.name} ({n_ctx} tok, prefill {prefill_s:.0f}s, summary {generate_s:.0f}s): "
+            f"full {own[('full', None, 'self')]:.3f} none {own[('none', None, 'self')]:.3f} | "
+            + " ".join(f"{a}/{r}={v:.3f}" for (a, r, ref), v in own.items() if ref == "self" and r is not None))
+        log(f"  reference: {documents[-1]['reference']!r}")
+        if on_doc:
+            on_doc(fidelity_table(rows, documents))
+    return fidelity_table(rows, documents)
+
+
+def fidelity_table(rows: list, documents: list) -> dict:
+    """Rows with their recovered share, and the summary per (ratio, reference, arm):
+    mean and median recovered share, paired wins against ``random_same``, NLLs, bytes."""
+    ends = {(r["doc"], r["reference"], r["arm"]): r["nll"] for r in rows if r["arm"] in ("full", "none")}
+    for r in rows:
+        full, none = ends.get((r["doc"], r["reference"], "full")), ends.get((r["doc"], r["reference"], "none"))
+        gap = None if full is None or none is None else none - full
+        r["recovered"] = (none - r["nll"]) / gap if gap and gap > 0 else None  # None: the document did not help
+    nll = {(r["doc"], r["ratio"], r["reference"], r["arm"]): r["nll"] for r in rows}
+    summary = []
+    keys = sorted({(r["ratio"], r["reference"], r["arm"]) for r in rows if r["ratio"] is not None},
+                  key=lambda k: (k[0], k[1], FIDELITY_ARMS.index(k[2]) if k[2] in FIDELITY_ARMS else 99, k[2]))
+    for ratio, ref, arm in keys:
+        sel = [r for r in rows if (r["ratio"], r["reference"], r["arm"]) == (ratio, ref, arm)]
+        rec = [r["recovered"] for r in sel if r["recovered"] is not None]
+        pairs = [(r["nll"], nll[(r["doc"], ratio, ref, "random_same")]) for r in sel
+                 if (r["doc"], ratio, ref, "random_same") in nll and arm != "random_same"]
+        docs = [r["doc"] for r in sel]
+        summary.append(dict(
+            ratio=ratio, reference=ref, arm=arm, docs=len(sel), helped_docs=len(rec),
+            recovered_mean=float(np.mean(rec)) if rec else None, recovered_median=float(np.median(rec)) if rec else None,
+            wins_vs_random_same=sum(a < b for a, b in pairs) if pairs else None, pairs=len(pairs),
+            nll=float(np.mean([r["nll"] for r in sel])),
+            full_nll=float(np.mean([ends[(d, ref, "full")] for d in docs if (d, ref, "full") in ends])),
+            none_nll=float(np.mean([ends[(d, ref, "none")] for d in docs if (d, ref, "none") in ends])),
+            compression=float(np.mean([r["compression"] for r in sel])),
+            seconds=float(np.mean([r["seconds"] for r in sel]))))
+    return {"question": FIDELITY_QUESTION, "documents": documents, "rows": rows, "summary": summary}
+
+
 # ---------------------------------------------------------------- grids per model
 # Issue 13's question (a bounded default) is asked at a fixed budget of 512, where the
 # candidates differ from the 0.1 default (skip30) only past 8x the budget.
@@ -356,7 +507,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--task", default="all", help="ppl, passkey, summary, a comma-separated list, or all")
     ap.add_argument("--model", default="default")
     ap.add_argument("--quick", action="store_true", help="a small grid that finishes in a few minutes")
-    ap.add_argument("--arms", default=",".join(DEFAULT_RUN))
+    ap.add_argument("--arms", default="", help="arms, comma-separated (default: each task's own list; "
+                    f"ppl/passkey/summary {','.join(DEFAULT_RUN)}; fidelity {','.join(FIDELITY_ARMS)})")
     ap.add_argument("--cases", type=int, default=2, help="keys per depth (5 depths): 2 gives 10 cases per row")
     ap.add_argument("--full-only", default="", help="passkey lengths run with the full cache only")
     ap.add_argument("--lengths", default="", help="passkey lengths, in the order run (default: the model's plan)")
@@ -367,15 +519,22 @@ def main(argv=None) -> dict:
                     help="LENGTH/BUDGET[/ARM+ARM...] items, comma-separated (default: the model's plan)")
     ap.add_argument("--docs", type=int, default=3, help="perplexity documents per length")
     ap.add_argument("--summary-docs", type=int, default=8, help="documents summarized")
+    ap.add_argument("--fidelity-docs", type=int, default=20, help="fidelity: documents (benchmarks/documents.py order)")
+    ap.add_argument("--pilot", action="store_true",
+                    help="fidelity: mark the file as a pilot (a few documents to check the set-up; not the results)")
+    ap.add_argument("--fidelity-tokens", type=int, default=112, help="fidelity: tokens of the reference summary at most")
     ap.add_argument("--seed", type=int, default=0, help="seed of the pass keys (another seed: more cases)")
     ap.add_argument("--add-to", default="",
-                    help="an earlier passkey results file (another seed) whose cases join this run's table")
+                    help="an earlier results file whose rows join this run's table: passkey (another seed's cases) "
+                         "or fidelity (its documents are not run again: also a resume after a kill)")
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
-    arm_names = tuple(a for a in args.arms.split(",") if a)
-    unknown = set(arm_names) - set(ARMS)
+    arm_names = tuple(a for a in args.arms.split(",") if a) or DEFAULT_RUN
+    unknown = set(arm_names) - set(ARMS) - set(FIDELITY_ARMS)
     if unknown:
-        ap.error(f"unknown arms {sorted(unknown)}; allowed: {', '.join(ARMS)}")
+        ap.error(f"unknown arms {sorted(unknown)}; allowed: {', '.join(dict.fromkeys(ARMS + FIDELITY_ARMS))}")
+    fidelity_arms = tuple(a for a in args.arms.split(",") if a) or (QUICK_FIDELITY_ARMS if args.quick else FIDELITY_ARMS)
+    arm_names = tuple(a for a in arm_names if a != "none")  # the other tasks have no no-document arm
     model, tok = load_model(None if args.model == "default" else args.model)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -395,10 +554,22 @@ def main(argv=None) -> dict:
             "defaults": EvictionConfig().for_model(model).to_dict(),
             "full_attention_layers": arms.full_layers, "probe_skip_layers": list(arms.probe_skip)}
     results = {}
-    tasks = ["ppl", "passkey", "summary"] if args.task == "all" else args.task.split(",")
-    if set(tasks) - {"ppl", "passkey", "summary"}:
+    tasks = ["ppl", "passkey", "summary", "fidelity"] if args.task == "all" else args.task.split(",")
+    if set(tasks) - {"ppl", "passkey", "summary", "fidelity"}:
         ap.error(f"unknown task in {args.task!r}")
     slug = "" if args.model == "default" else "_" + re.sub(r"[^A-Za-z0-9]+", "-", args.model).strip("-")
+    earlier_file = json.loads(Path(args.add_to).read_text()) if args.add_to else None
+    if earlier_file is not None and earlier_file.get("task", "passkey") not in tasks:
+        ap.error(f"{args.add_to} holds task {earlier_file.get('task')!r}, not run here")
+    add_to = lambda task: earlier_file if earlier_file and earlier_file.get("task", "passkey") == task else None  # noqa: E731
+
+    def save_partial(task, partial, start):  # a checkpoint: a kill never leaves half a file
+        partial.update(meta, task=task, seconds=time.perf_counter() - start)
+        if task == "fidelity":
+            partial.update(arms=list(fidelity_arms), pilot=args.pilot)
+        tmp = out_dir / f".quality_{task}{slug}.json.tmp"
+        tmp.write_text(json.dumps(partial, indent=1))
+        tmp.replace(out_dir / f"quality_{task}{slug}.json")
     for task in tasks:
         if task == "summary" and not plan["summary"]:
             continue
@@ -407,12 +578,12 @@ def main(argv=None) -> dict:
             res = task_ppl(model, tok, arms, plan["ppl"], arm_names, 1 if args.quick else args.docs, log)
         elif task == "passkey":
             full_only = [int(x) for x in args.full_only.split(",") if x]
-            earlier = json.loads(Path(args.add_to).read_text()) if args.add_to else {"rows": []}
+            earlier = add_to("passkey") or {"rows": []}
             earlier.setdefault("seeds", [0])  # files from before --seed hold seed 0
-            earlier_s = earlier.get("seconds", 0.0) if args.add_to else 0.0
-            if args.seed in earlier["seeds"] and args.add_to:
+            earlier_s = earlier.get("seconds", 0.0) if add_to("passkey") else 0.0
+            if args.seed in earlier["seeds"] and add_to("passkey"):
                 ap.error(f"{args.add_to} already holds the cases of seed {args.seed}")
-            seeds = [*earlier["seeds"], args.seed] if args.add_to else [args.seed]
+            seeds = [*earlier["seeds"], args.seed] if add_to("passkey") else [args.seed]
 
             def checkpoint(partial, tic=tic, seeds=seeds):
                 partial.update(meta, task="passkey", seconds=earlier_s + time.perf_counter() - tic, seeds=seeds)
@@ -428,10 +599,26 @@ def main(argv=None) -> dict:
                                seed=args.seed, earlier_rows=earlier["rows"], on_case=checkpoint)
             res["seeds"] = seeds
             tic -= earlier_s  # seconds: every joined run together
+        elif task == "fidelity":
+            earlier = add_to("fidelity")
+            earlier_s = earlier.get("seconds", 0.0) if earlier else 0.0
+            docs = documents(tok, limit=2 if args.quick else args.fidelity_docs)
+            if args.quick:  # two short documents: the first 384 tokens of each
+                docs = [replace(d, text=tok.decode(tok.encode(d.text, add_special_tokens=False)[:384]), tokens=384)
+                        for d in docs]
+            elif len(docs) < args.fidelity_docs:
+                log(f"fidelity: {len(docs)} documents of 2k-8k tokens here (not installed: {missing_documents()}; "
+                    'pip install -e ".[bench]")')
+            res = task_fidelity(model, tok, arms, docs, ratios[:1] if args.quick else ratios, fidelity_arms,
+                                24 if args.quick else args.fidelity_tokens, log, earlier=earlier,
+                                on_doc=lambda t, start=tic - earlier_s: save_partial("fidelity", t, start))
+            tic -= earlier_s  # seconds: every joined run together
         else:
             res = task_summary(model, tok, arms, 1 if args.quick else args.summary_docs, 512 if args.quick else 1024,
                                [128] if args.quick else [256], arm_names, 16 if args.quick else 48, log)
         res.update(meta, task=task, seconds=time.perf_counter() - tic)
+        if task == "fidelity":
+            res.update(arms=list(fidelity_arms), pilot=args.pilot)
         path = out_dir / f"quality_{task}{slug}.json"
         path.write_text(json.dumps(res, indent=1))
         log(f"wrote {path} ({res['seconds']:.0f} s)")

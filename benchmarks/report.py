@@ -156,6 +156,40 @@ def summary_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+FIDELITY_ORDER = ("default", "random_same", "low_all", "random_all", "recent_all", "rotating")
+
+
+def fidelity_table(res: dict) -> str:
+    """Recovered share per ratio and reference: mean (median), paired wins vs random_same, bytes."""
+    summ = res["summary"]
+    arms = [a for a in FIDELITY_ORDER if a in {r["arm"] for r in summ}]
+    arms += sorted({r["arm"] for r in summ} - set(arms))
+    lines = [f"**Pilot run ({len(res['documents'])} documents): checks the set-up; not the results.**", ""] \
+        if res.get("pilot") else []
+    lines += ["| ratio | reference | docs | NLL full / none | " + " | ".join(arms) + " |",
+             "|---|---|---|---|" + "---|" * len(arms)]
+    pct = lambda v: "n/a" if v is None else f"{100 * v:.0f}%"  # noqa: E731
+    for ratio, ref in sorted({(r["ratio"], r["reference"]) for r in summ}, key=lambda k: (k[0], k[1] != "self")):
+        cells = {r["arm"]: r for r in summ if (r["ratio"], r["reference"]) == (ratio, ref)}
+        any_cell = next(iter(cells.values()))
+        row = []
+        for a in arms:
+            c = cells.get(a)
+            if not c:
+                row.append("")
+                continue
+            wins = "" if c["wins_vs_random_same"] is None else f", {c['wins_vs_random_same']}/{c['pairs']} wins"
+            row.append(f"{pct(c['recovered_mean'])} ({pct(c['recovered_median'])}{wins}; {c['compression']:.2f}x)")
+        lines.append(f"| {ratio}x | {ref} | {any_cell['docs']} | {any_cell['full_nll']:.3f} / {any_cell['none_nll']:.3f} | "
+                     + " | ".join(row) + " |")
+    n = len(res["documents"])
+    lines += ["", f"Each cell: mean recovered share (median, documents where the arm's NLL is below random_same's; "
+              f"byte compression over all layers). recovered = (nll_none - nll_arm) / (nll_none - nll_full), over the "
+              f"documents where the document lowers the NLL. {n} document{'s' if n != 1 else ''}; reference `self`: "
+              "the full cache's greedy summary, `human`: the package's own one-line summary."]
+    return "\n".join(lines)
+
+
 def probe_table(res: dict) -> str:
     lines = ["| layer | kind | mean rho | min | max | key-norm CV |", "|---|---|---|---|---|---|"]
     for s in res["layers"]:
@@ -287,6 +321,8 @@ def main(argv=None) -> str:
                       lambda res, arm=DEFAULT_ARMS[suffix]: passkey_table(res, arm)),
                      (f"Summaries (ROUGE-L vs the full-cache summary), {title}", f"quality_summary{suffix}.json",
                       summary_table),
+                     (f"Summary fidelity (recovered share of the reference's NLL), {title}",
+                      f"quality_fidelity{suffix}.json", fidelity_table),
                      (f"Key norm vs attention (knorm-probe), {title}", f"probe{suffix}.json", probe_table)]
     for title, name, fn in sections:
         res = _load(d, name)

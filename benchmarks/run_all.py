@@ -39,7 +39,7 @@ def main(argv=None) -> int:
         "runtime": [str(HERE / "bench_runtime.py"), "--out", str(out / "runtime.json"), *quick],
         "batch": [str(HERE / "bench_batch.py"), "--model", args.model, "--out", str(out / "batch.json"), *quick],
         "distributed": [str(HERE / "bench_distributed.py"), "--out", str(out / "distributed.json"), *quick],
-        "gemma": [str(HERE / "quality.py"), "--model", "gemma-3-270m", "--task", "ppl,passkey", "--out-dir",
+        "gemma": [str(HERE / "quality.py"), "--model", "gemma-3-270m", "--task", "ppl,passkey,fidelity", "--out-dir",
                   str(out), *quick],
         "gemma_probe": ["-c", probe, "--model", "gemma-3-270m", "--json", str(out / "probe_gemma-3-270m.json")],
         "load": [str(HERE / "bench_load.py"), "--out", str(out / "load.json")],

