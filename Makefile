@@ -6,7 +6,7 @@ setup:
 	bash scripts/setup.sh
 
 run: setup
-	.venv/bin/knorm-batch examples/prompts.jsonl --budget 128 --max-tokens 64 --overwrite
+	.venv/bin/knorm-batch --job jobs/summarize.toml --overwrite
 
 test: setup
 	.venv/bin/python -m pytest -q

@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--model", default="default")
     ap.add_argument("--out-dir", default=str(HERE / "results"))
-    ap.add_argument("--only", default="quality,probe,cache,runtime,batch,distributed",
+    ap.add_argument("--only", default="quality,probe,cache,runtime,batch,summarize,distributed",
                     help="comma-separated subset; add gemma for the second model (quality and probe)")
     args = ap.parse_args(argv)
     out = Path(args.out_dir)
@@ -38,6 +38,8 @@ def main(argv=None) -> int:
         "cache": [str(HERE / "bench_cache.py"), "--model", args.model, "--out", str(out / "cache_speed.json"), *quick],
         "runtime": [str(HERE / "bench_runtime.py"), "--out", str(out / "runtime.json"), *quick],
         "batch": [str(HERE / "bench_batch.py"), "--model", args.model, "--out", str(out / "batch.json"), *quick],
+        "summarize": [str(HERE / "bench_summarize.py"), "--model", args.model, "--out", str(out / "summarize.json"),
+                      *quick],
         "distributed": [str(HERE / "bench_distributed.py"), "--out", str(out / "distributed.json"), *quick],
         "gemma": [str(HERE / "quality.py"), "--model", "gemma-3-270m", "--task", "ppl,passkey,fidelity", "--out-dir",
                   str(out), *quick],

@@ -1,4 +1,4 @@
-"""Rebuild examples/prompts.jsonl, longdocs.jsonl and questions.jsonl from pydoc_data.topics.
+"""Rebuild examples/docs.jsonl, longdocs.jsonl and questions.jsonl from pydoc_data.topics.
 
 The text is the Python reference documentation that ships with CPython, so
 the files are deterministic for a given Python version (they were built
@@ -11,7 +11,8 @@ from pathlib import Path
 from pydoc_data.topics import topics
 
 HERE = Path(__file__).resolve().parent
-INSTRUCTION = "Summarize the following documentation in three sentences.\n\n"
+# Documents are plain {"id", "text"} rows: the summarization instruction is the job's
+# (--question / [rows] questions), asked after each document and never evicted.
 
 # Long sections, about 1,500-3,500 tokens each with the embedded model's tokenizer.
 LONG_TOPICS = ["typesmapping", "attribute-access", "comparisons", "assignment", "execmodel",
@@ -40,16 +41,16 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def main() -> None:
-    prompts = [{"id": name, "prompt": INSTRUCTION + topics[name].strip(), "source": f"pydoc_data.topics:{name}"}
-               for name in MAIN_TOPICS]
-    longdocs = [{"id": name, "prompt": INSTRUCTION + topics[name].strip(), "source": f"pydoc_data.topics:{name}"}
+    docs = [{"id": name, "text": topics[name].strip(), "source": f"pydoc_data.topics:{name}"}
+            for name in MAIN_TOPICS]
+    longdocs = [{"id": name, "text": topics[name].strip(), "source": f"pydoc_data.topics:{name}"}
                 for name in LONG_TOPICS]
     questions = [{"id": name, "context": topics[name].strip(), "questions": qs, "source": f"pydoc_data.topics:{name}"}
                  for name, qs in QUESTIONS.items()]
-    write_jsonl(HERE / "prompts.jsonl", prompts)
+    write_jsonl(HERE / "docs.jsonl", docs)
     write_jsonl(HERE / "longdocs.jsonl", longdocs)
     write_jsonl(HERE / "questions.jsonl", questions)
-    print(f"wrote {len(prompts)} rows to prompts.jsonl, {len(longdocs)} to longdocs.jsonl "
+    print(f"wrote {len(docs)} rows to docs.jsonl, {len(longdocs)} to longdocs.jsonl "
           f"and {len(questions)} to questions.jsonl")
 
 

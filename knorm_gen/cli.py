@@ -21,7 +21,16 @@ import click
 from click.core import ParameterSource
 
 from . import __version__
-from .config import EVICTION_FIELDS, GENERATION_FIELDS, EvictionConfig, GenerationConfig, make_configs
+from .config import (
+    EVICTION_FIELDS,
+    GENERATION_FIELDS,
+    ROWS_FIELDS,
+    EvictionConfig,
+    GenerationConfig,
+    RowsConfig,
+    make_configs,
+    parse_size,
+)
 from .job import (
     EXIT_INTERNAL_ERROR,
     EXIT_INTERRUPTED,
@@ -32,10 +41,12 @@ from .job import (
     run_batch,
 )
 
-RUN_KEYS = ("input", "output", "model", "batch_size", "stats_log", "summary_json", "limit")
-JOB_KEYS = {None: RUN_KEYS, "eviction": EVICTION_FIELDS, "generation": GENERATION_FIELDS}
+RUN_KEYS = ("input", "output", "model", "batch_size", "stats_log", "summary_json", "limit", "max_kv_memory")
+JOB_KEYS = {None: RUN_KEYS, "eviction": EVICTION_FIELDS, "generation": GENERATION_FIELDS, "rows": ROWS_FIELDS}
 JOB_PATHS = ("input", "output", "stats_log", "summary_json")
 CONFIG_FIELDS = {f.name: f for f in (*fields(EvictionConfig), *fields(GenerationConfig))}
+ROW_SHAPE_FIELDS = {f.name: f for f in fields(RowsConfig)}
+OPTION_FIELDS = {**CONFIG_FIELDS, **ROW_SHAPE_FIELDS}
 
 
 class UsageFailure(click.ClickException):
@@ -57,16 +68,21 @@ class _Parsed(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
-_TYPES = {"int": click.INT, "Optional[int]": click.INT, "float": click.FLOAT, "str": click.STRING}
+_TYPES = {"int": click.INT, "Optional[int]": click.INT, "float": click.FLOAT, "str": click.STRING,
+          "Optional[str]": click.STRING, "tuple[str, ...]": click.STRING}
 
 
 def _config_option(f: Field) -> Callable:
     """One ``click.option`` for a config field, from the field itself."""
     meta = f.metadata
-    shown = meta.get("default_text") or (None if f.default is None else repr(f.default)
-                                         if isinstance(f.default, str) else str(f.default))
-    kw: dict[str, Any] = dict(help=meta.get("help"), default=None, show_default=shown)
-    name = "--" + f.name.replace("_", "-")
+    # The field's own default (shown in --help); only options given on the command
+    # line override a job file, so a default here never masks one.
+    help_text = meta.get("help") + (f"  [default: {meta['default_text']}]" if meta.get("default_text") else "")
+    kw: dict[str, Any] = dict(help=help_text, default=f.default, show_default=f.default is not None
+                              and not meta.get("default_text") and f.default != "")
+    name = "--" + (meta.get("cli_name") or f.name).replace("_", "-")
+    if meta.get("multiple"):
+        kw.update(multiple=True, default=(), show_default=False)
     if f.type == "Optional[bool]":
         return click.option(f"{name}/--no-{f.name.replace('_', '-')}", **kw)
     if meta.get("parse"):
@@ -75,12 +91,12 @@ def _config_option(f: Field) -> Callable:
         kw["type"] = click.Choice(meta["choices"])
     else:
         kw["type"] = _TYPES[f.type]
-    return click.option(name, **kw)
+    return click.option(name, f.name, **kw)
 
 
 def config_options(command: Callable) -> Callable:
-    """Add an option for every field of the two configs."""
-    for f in reversed(list(CONFIG_FIELDS.values())):
+    """Add an option for every field of the configs (eviction, generation, rows)."""
+    for f in reversed(list(OPTION_FIELDS.values())):
         command = _config_option(f)(command)
     return command
 
@@ -137,6 +153,11 @@ def _check_run_keys(path: str, flat: dict) -> None:
     for key in ("limit", "batch_size"):
         if key in flat and (isinstance(flat[key], bool) or not isinstance(flat[key], int)):
             raise UsageFailure(f"job file {path}: '{key}' must be an integer, got {flat[key]!r}")
+    if "max_kv_memory" in flat:
+        try:
+            flat["max_kv_memory"] = parse_size(flat["max_kv_memory"])
+        except ValueError as e:
+            raise UsageFailure(f"job file {path}: max_kv_memory: {e}") from None
 
 
 def load_job(path: str) -> dict:
@@ -148,10 +169,11 @@ def load_job(path: str) -> dict:
     _check_run_keys(path, flat)
     try:
         for key, value in flat.items():
-            parse = CONFIG_FIELDS[key].metadata.get("parse") if key in CONFIG_FIELDS else None
+            parse = OPTION_FIELDS[key].metadata.get("parse") if key in OPTION_FIELDS else None
             if parse:
                 flat[key] = parse(value)
         build_configs(flat)
+        rows_config(flat)
     except ValueError as e:
         raise UsageFailure(f"job file {path}: {e}") from None
     return flat
@@ -160,6 +182,11 @@ def load_job(path: str) -> dict:
 def build_configs(settings: dict) -> tuple[EvictionConfig, GenerationConfig]:
     """The two configs from flat settings (missing fields take their defaults)."""
     return make_configs(**{k: v for k, v in settings.items() if k in CONFIG_FIELDS})
+
+
+def rows_config(settings: dict) -> RowsConfig:
+    """How rows are read, from flat settings."""
+    return RowsConfig(**{k: v for k, v in settings.items() if k in ROW_SHAPE_FIELDS})
 
 
 def resume_command(argv: list[str]) -> str:
@@ -183,7 +210,7 @@ def _settings(ctx: click.Context, input_path: Optional[str], job_file: Optional[
                            f"its own input ({settings['input']}); to run the job's settings on another input, "
                            "also give -o/--output, so the job's output is not mixed with other rows")
     for name, value in opts.items():
-        if name in given or (name not in settings and name not in CONFIG_FIELDS):
+        if name in given or (name not in settings and name not in OPTION_FIELDS):
             settings[name] = value
     if input_path is not None:
         settings["input"] = input_path
@@ -207,6 +234,10 @@ def _settings(ctx: click.Context, input_path: Optional[str], job_file: Optional[
 @click.option("--accept-old-records", is_flag=True,
               help="Resume over records made from other rows or settings, counting them as done.")
 @click.option("--limit", type=click.IntRange(min=0), default=None, help="Run only the first N rows.")
+@click.option("--max-kv-memory", metavar="SIZE", default=None,
+              help="KV memory the rows in flight may reach together, e.g. 2GiB or 512MiB; a row joins the batch "
+                   "only while it fits, and a row that cannot fit alone becomes a kv_memory_exceeded record.  "
+                   "[default: half the machine's memory (of Metal's recommended working set on a Mac)]")
 @click.option("--job", "job_file", type=click.Path(dir_okay=False), help="TOML job file; command-line options "
               "override it.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar; only the final summary.")
@@ -226,12 +257,16 @@ def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optio
     settings = _settings(ctx, input_path, job_file, opts)
     try:
         eviction, generation = build_configs(settings)
+        rows = rows_config(settings)
+        max_kv = settings.get("max_kv_memory")
+        max_kv = None if max_kv is None else parse_size(max_kv)
     except ValueError as e:
         raise UsageFailure(str(e)) from None
     options = BatchOptions(model=settings["model"], eviction=eviction, generation=generation,
                            batch_size=settings["batch_size"], overwrite=overwrite,
                            accept_old_records=accept_old_records, limit=settings.get("limit"),
-                           stats_log=settings.get("stats_log"), summary_json=settings.get("summary_json"))
+                           stats_log=settings.get("stats_log"), summary_json=settings.get("summary_json"),
+                           rows=rows, max_kv_memory=max_kv)
     _run(ctx, settings, options, quiet)
 
 

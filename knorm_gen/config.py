@@ -167,11 +167,13 @@ def _budget_parts(value: str) -> list[str]:
 
 
 def _setting(default: Any, help: str, *, parse=None, metavar: Optional[str] = None, choices=None,
-             default_text: Optional[str] = None):
+             default_text: Optional[str] = None, multiple: bool = False, cli_name: Optional[str] = None):
     """A config field with what the command line and job files need to know about it:
     its help text, an optional text parser (``"0-8"`` -> a tuple), metavar, choices,
-    and how to show a default that is computed (``budget // 8``)."""
-    meta = {"help": help, "parse": parse, "metavar": metavar, "choices": choices, "default_text": default_text}
+    how to show a default that is computed (``budget // 8``), and for a list field
+    the repeatable option's name (``--question`` for ``questions``)."""
+    meta = {"help": help, "parse": parse, "metavar": metavar, "choices": choices, "default_text": default_text,
+            "multiple": multiple, "cli_name": cli_name}
     return field(default=default, metadata=meta)
 
 
@@ -352,6 +354,14 @@ class GenerationConfig:
                                     default_text="when the tokenizer has one")
     question_separator: str = _setting("\n\n", "Text between a context and each question.",
                                        default_text="a blank line")
+    top_k: int = _setting(0, "Sample only from the k most likely tokens (0 = all); with temperature > 0.")
+    min_p: float = _setting(0.0, "Drop tokens less likely than min_p times the most likely one (0 = off); "
+                                 "with temperature > 0.")
+    repetition_penalty: float = _setting(1.0, "Divide the logits of tokens seen in the last "
+                                              "repetition_context_size tokens by this (1 = off; small models "
+                                              "repeat themselves: 1.1-1.3 helps).")
+    repetition_context_size: int = _setting(20, "Tokens the repetition penalty looks back over.")
+    system_prompt: Optional[str] = _setting(None, "A system message before each row's prompt (chat template only).")
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -372,13 +382,77 @@ class GenerationConfig:
             raise ValueError(f"chat must be true, false or null (automatic), got {self.chat!r}")
         if not isinstance(self.question_separator, str):
             raise ValueError(f"question_separator must be text, got {self.question_separator!r}")
+        self._check_sampling()
+
+    def _check_sampling(self) -> None:
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        for name, low_ok in (("min_p", True), ("repetition_penalty", False)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        if not _is_int(self.repetition_context_size) or self.repetition_context_size < 1:
+            raise ValueError(f"repetition_context_size must be an integer >= 1, got {self.repetition_context_size!r}")
+        if self.system_prompt is not None and (not isinstance(self.system_prompt, str)
+                                               or not self.system_prompt.strip()):
+            raise ValueError(f"system_prompt must be non-empty text, got {self.system_prompt!r}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON-ready. Fields added after the first release appear only when set, so
+        records made before them keep their fingerprints."""
+        d = asdict(self)
+        for f in fields(self):
+            if f.name in _LATER_GENERATION_FIELDS and d[f.name] == f.default:
+                del d[f.name]
+        return d
+
+
+_LATER_GENERATION_FIELDS = ("top_k", "min_p", "repetition_penalty", "repetition_context_size", "system_prompt")
+
+
+@dataclass(frozen=True)
+class RowsConfig:
+    """How ``knorm-batch`` reads each row's document and question: ``context_field``
+    names the field holding a row's document (``text``, ``article``, ``body``), and
+    ``questions`` (``--question``, repeatable) are asked of every row that has a
+    document and no question of its own. Both are part of every record's
+    ``config`` (when set) and so of its fingerprint."""
+
+    questions: tuple[str, ...] = _setting((), "A question (an instruction) for every row that has a document "
+                                              "and no question of its own; repeat for several.",
+                                          default_text="none", multiple=True, cli_name="question")
+    context_field: str = _setting("context", "The field that holds a row's document.")
+
+    def __post_init__(self):
+        if isinstance(self.questions, str) or not isinstance(self.questions, (list, tuple)):
+            raise ValueError(f"questions must be a list of text, got {self.questions!r}")
+        object.__setattr__(self, "questions", tuple(self.questions))
+        for i, q in enumerate(self.questions):
+            if not isinstance(q, str) or not q.strip():
+                raise ValueError(f"questions[{i}] must be non-empty text, got {q!r}")
+        if not isinstance(self.context_field, str) or not self.context_field.strip():
+            raise ValueError(f"context_field must be a field name, got {self.context_field!r}")
+        if self.context_field in ("id", "prompt", "messages", "question", "questions"):
+            raise ValueError(f"context_field cannot be {self.context_field!r}: that field has its own meaning")
+
+    def to_dict(self) -> dict:
+        """Only what differs from the defaults (records made before these settings
+        existed keep their fingerprints)."""
+        d = {}
+        if self.questions:
+            d["questions"] = list(self.questions)
+        if self.context_field != "context":
+            d["context_field"] = self.context_field
+        return d
 
 
 EVICTION_FIELDS = tuple(f.name for f in fields(EvictionConfig))
 GENERATION_FIELDS = tuple(f.name for f in fields(GenerationConfig))
+ROWS_FIELDS = tuple(f.name for f in fields(RowsConfig))
 DEFAULT_PREFILL_STEP = GenerationConfig.prefill_step_size
 DEFAULT_QUESTION_SEPARATOR = GenerationConfig.question_separator
 
@@ -405,7 +479,32 @@ def make_configs(eviction: Optional[EvictionConfig] = None, generation: Optional
     return eviction, generation
 
 
-def settings_dict(eviction: Union[EvictionConfig, ResolvedEviction], generation: GenerationConfig) -> dict:
+def settings_dict(eviction: Union[EvictionConfig, ResolvedEviction], generation: GenerationConfig,
+                  rows: Optional[RowsConfig] = None) -> dict:
     """The ``config`` a result and a record report: the eviction settings (resolved
-    for the model) followed by the generation settings."""
-    return {**eviction.to_dict(), **generation.to_dict()}
+    for the model), the generation settings, and (``knorm-batch``) how rows were read."""
+    return {**eviction.to_dict(), **generation.to_dict(), **(rows.to_dict() if rows else {})}
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from ``2GiB``, ``512MiB``, ``1.5GB`` or a plain number of bytes; must be > 0."""
+    import re
+
+    if isinstance(value, bool):
+        raise ValueError(f"a memory size must look like 2GiB or 512MiB, got {value!r}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+        if not m or m[2].lower() not in _UNITS:
+            raise ValueError(f"a memory size must look like 2GiB or 512MiB (units B, KiB, MiB, GiB, TiB, or KB, "
+                             f"MB, GB, TB), got {value!r}")
+        number, unit = float(m[1]), m[2].lower()
+    size = number * _UNITS[unit]
+    if not math.isfinite(size) or size < 1:
+        raise ValueError(f"a memory size must be more than 0 bytes, got {value!r}")
+    return int(size)

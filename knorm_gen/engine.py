@@ -25,10 +25,11 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Optional, Sequen
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .cache import L2NormKVCache, copy_caches, make_eviction_cache
 from .config import DEFAULT_PREFILL_STEP, GenerationConfig, ResolvedEviction, settings_dict
+from .memory import KVMemory, KVMemoryExceeded, KVNeed, batch_bytes, kv_memory, mib, sequence_need
 from .mlx_compat import generator_step, own_layer_masks
 from .prompts import as_tokenizer
 from .results import GenerationResult
@@ -39,7 +40,16 @@ DEFAULT_BATCH_SIZE = 8
 
 def make_row_sampler(generation: GenerationConfig):
     """mlx_lm's sampler for a row's settings."""
-    return make_sampler(temp=generation.temperature, top_p=generation.top_p if generation.top_p < 1 else 0.0)
+    return make_sampler(temp=generation.temperature, top_p=generation.top_p if generation.top_p < 1 else 0.0,
+                        min_p=generation.min_p, top_k=generation.top_k)
+
+
+def make_row_processors(generation: GenerationConfig) -> list:
+    """mlx_lm's logits processors for a row's settings (the repetition penalty)."""
+    if generation.repetition_penalty == 1:
+        return []
+    return make_logits_processors(repetition_penalty=generation.repetition_penalty,
+                                  repetition_context_size=generation.repetition_context_size)
 
 
 @dataclass
@@ -101,7 +111,7 @@ class BatchEngine:
         (uid,) = self._gen.insert(
             [list(ids)], max_tokens=[generation.max_tokens],
             caches=[caches if caches is not None else make_eviction_cache(self.model, self.eviction)],
-            samplers=[make_row_sampler(generation)],
+            samplers=[make_row_sampler(generation)], logits_processors=[make_row_processors(generation)],
         )
         self._rows[uid] = _Sequence(key, settings_dict(self.eviction, generation),
                                     prompt_tokens if prompt_tokens is not None else len(ids), question,
@@ -228,9 +238,69 @@ class Job:
 Outcome = Union[list[GenerationResult], Exception]
 
 
+class KVLimit:
+    """Admission by KV memory: a job joins the batch only while the KV bytes the
+    sequences in flight can reach, plus its own, stay within ``limit_bytes``.
+    Bounded layers count at their ceiling (a pinned question's tokens on top);
+    layers that keep every token count at the prompt plus ``max_tokens``, and in
+    a batch at the longest row (mlx_lm's batch cache pads rows to it).
+    ``in_flight`` and ``peak`` are what the admitted sequences can reach."""
+
+    def __init__(self, model: Any, limit_bytes: int):
+        self.model, self.limit = model, limit_bytes
+        self._memory: dict[ResolvedEviction, KVMemory] = {}
+        self._needs: dict[Hashable, KVNeed] = {}
+        self._growth = 0
+        self.in_flight = 0
+        self.peak = 0
+
+    def memory(self, eviction: ResolvedEviction) -> KVMemory:
+        if eviction not in self._memory:
+            self._memory[eviction] = kv_memory(self.model, eviction)
+        return self._memory[eviction]
+
+    def needs(self, job: "Job") -> list[KVNeed]:
+        """One need per sequence of the job."""
+        memory, max_tokens = self.memory(job.eviction), job.generation.max_tokens
+        if job.ids is not None:
+            return [sequence_need(memory, len(job.ids) + max_tokens)]
+        n = len(job.context_ids)
+        return [sequence_need(memory, n + len(q) + max_tokens, pinned=len(q) + max_tokens) for q in job.question_ids]
+
+    def bytes_with(self, job: Optional["Job"] = None, *, alone: bool = False) -> int:
+        """KV bytes the sequences in flight (none when ``alone``) plus ``job``'s can reach."""
+        extra = self.needs(job) if job is not None else []
+        growth = self.memory(job.eviction).growth_bytes_per_token if job is not None else self._growth
+        return batch_bytes(extra + ([] if alone else list(self._needs.values())), growth)
+
+    def check_alone(self, job: "Job") -> None:
+        """Raise :class:`KVMemoryExceeded` for a job that cannot fit even alone."""
+        need = self.bytes_with(job, alone=True)
+        if need > self.limit:
+            what = "its prompt plus max_tokens" if job.ids is not None else (
+                f"its {len(job.questions)} question(s) over the compressed context, each with max_tokens")
+            raise KVMemoryExceeded(f"this row needs {mib(need)} ({need} bytes) of KV memory ({what}), more than "
+                                   f"the limit of {mib(self.limit)} ({self.limit} bytes, --max-kv-memory); raise "
+                                   "the limit, lower --budget or max_tokens, or bound every layer (--early-factor)")
+
+    def admit(self, job: "Job") -> None:
+        self._growth = self.memory(job.eviction).growth_bytes_per_token
+        for i, need in enumerate(self.needs(job)):
+            self._needs[(job.key, i)] = need
+        self._update()
+
+    def release(self, key: Hashable) -> None:
+        self._needs.pop(key, None)
+        self._update()
+
+    def _update(self) -> None:
+        self.in_flight = batch_bytes(list(self._needs.values()), self._growth)
+        self.peak = max(self.peak, self.in_flight)
+
+
 def run_jobs(model: Any, tokenizer: Any, jobs: Iterable[Job], *, batch_size: int = DEFAULT_BATCH_SIZE,
-             seed: Optional[int] = None,
-             alone: Optional[Callable[[Job], list[GenerationResult]]] = None) -> Iterator[tuple[Job, Outcome]]:
+             seed: Optional[int] = None, alone: Optional[Callable[[Job], list[GenerationResult]]] = None,
+             kv_limit: Optional[KVLimit] = None) -> Iterator[tuple[Job, Outcome]]:
     """Run ``jobs`` through one continuous batch, yielding ``(job, results)`` as each
     job finishes (one result per prompt, one per question, in order).
 
@@ -240,11 +310,18 @@ def run_jobs(model: Any, tokenizer: Any, jobs: Iterable[Job], *, batch_size: int
     drained, then starts a new one (seeded again with ``seed``). If a batch step
     fails, every job in flight is run again with ``alone`` (when given), so that
     only a bad one fails: its outcome is then the exception. Without ``alone``
-    the failure propagates."""
+    the failure propagates.
+
+    With ``kv_limit``, a job joins only while the KV memory in flight plus its
+    own stays within the limit (the batch drains until it does); a job that
+    cannot fit even alone gets :class:`~knorm_gen.memory.KVMemoryExceeded` as its
+    outcome (or raises it, without ``alone``)."""
     engine: Optional[BatchEngine] = None
     flight: dict[Hashable, tuple[Job, list]] = {}  # job key -> (job, results by sequence)
 
     def finish(key, result) -> Optional[tuple[Job, Outcome]]:
+        if kv_limit is not None:
+            kv_limit.release(key)
         job_key, index = key
         job, results = flight[job_key]
         results[index] = result
@@ -265,6 +342,10 @@ def run_jobs(model: Any, tokenizer: Any, jobs: Iterable[Job], *, batch_size: int
             stuck = [job for job, _ in flight.values()]
             flight.clear()
             engine = None
+            if kv_limit is not None:
+                for job in stuck:
+                    for i in range(job.sequences):
+                        kv_limit.release((job.key, i))
             for job in stuck:
                 yield job, _alone(alone, job)
             return
@@ -278,9 +359,21 @@ def run_jobs(model: Any, tokenizer: Any, jobs: Iterable[Job], *, batch_size: int
             yield from step()
 
     for job in jobs:
+        if kv_limit is not None:
+            try:
+                kv_limit.check_alone(job)
+            except KVMemoryExceeded as e:
+                if alone is None:
+                    raise
+                yield job, e
+                continue
         if engine is not None and job.batch_key != (engine.eviction, engine.prefill_step_size):
             yield from drain()
             engine = None
+        while kv_limit is not None and engine is not None and len(engine) and kv_limit.bytes_with(job) > kv_limit.limit:
+            yield from step()  # wait for room
+        if kv_limit is not None:
+            kv_limit.admit(job)
         if engine is None:
             engine = BatchEngine(model, tokenizer, job.eviction, batch_size=batch_size,
                                  prefill_step_size=job.generation.prefill_step_size, seed=seed)
@@ -296,6 +389,9 @@ def run_jobs(model: Any, tokenizer: Any, jobs: Iterable[Job], *, batch_size: int
             if alone is None:
                 raise
             del flight[job.key]
+            for i in range(job.sequences):
+                if kv_limit is not None:
+                    kv_limit.release((job.key, i))
             yield job, e
             continue
         while engine is not None and len(engine) >= batch_size:

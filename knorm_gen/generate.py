@@ -12,7 +12,7 @@ from mlx_lm.generate import stream_generate
 
 from .cache import make_eviction_cache
 from .config import EvictionConfig, GenerationConfig, ResolvedEviction, make_configs, settings_dict
-from .engine import DEFAULT_BATCH_SIZE, Job, make_row_sampler, run_jobs
+from .engine import DEFAULT_BATCH_SIZE, Job, make_row_processors, make_row_sampler, run_jobs
 from .prompts import Prompt, as_tokenizer, check_length, encode_prompt, question_prompts
 from .results import GenerationResult
 
@@ -47,7 +47,8 @@ def _stream_ids(model, tok, ids, caches, *, generation: GenerationConfig, config
     tic = time.perf_counter()
     first_at = None
     for resp in stream_generate(model, tok, mx.array(ids), max_tokens=generation.max_tokens,
-                                sampler=make_row_sampler(generation), prompt_cache=caches,
+                                sampler=make_row_sampler(generation),
+                                logits_processors=make_row_processors(generation), prompt_cache=caches,
                                 prefill_step_size=generation.prefill_step_size):
         if first_at is None:
             first_at = time.perf_counter()
@@ -86,7 +87,7 @@ def stream_with_eviction(
     decoded and ends with the :class:`GenerationResult`."""
     eviction, generation = resolve_settings(model, eviction, generation, settings)
     tok = as_tokenizer(tokenizer)
-    ids = encode_prompt(tok, prompt, generation.chat)
+    ids = encode_prompt(tok, prompt, generation.chat, generation.system_prompt)
     check_length(model, len(ids))
     if generation.seed is not None:
         mx.random.seed(generation.seed)
@@ -141,7 +142,7 @@ def stream_batch_with_eviction(
 
     def jobs() -> Iterator[Job]:
         for index, prompt in enumerate(prompts):
-            ids = encode_prompt(tok, prompt, generation.chat)
+            ids = encode_prompt(tok, prompt, generation.chat, generation.system_prompt)
             check_length(model, len(ids))
             yield Job(index, eviction, generation, ids=ids)
 
@@ -214,7 +215,8 @@ def answer_questions(
     eviction, generation = resolve_settings(model, eviction, generation, settings)
     tok = as_tokenizer(tokenizer)
     questions, context_ids, question_ids = question_prompts(
-        model, tok, context, questions, chat=generation.chat, question_separator=generation.question_separator)
+        model, tok, context, questions, chat=generation.chat, question_separator=generation.question_separator,
+        system_prompt=generation.system_prompt)
     job = Job("context", eviction, generation, context_ids=context_ids, questions=questions,
               question_ids=question_ids)
     ((_, results),) = run_jobs(model, tok, [job], batch_size=batch_size, seed=generation.seed)

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO, Callable, Optional
 from tqdm import tqdm
 
 from . import records as rec
-from .config import EvictionConfig, GenerationConfig
+from .config import EvictionConfig, GenerationConfig, RowsConfig
 from .distributed import Group, local_parts, merge_records, merge_stats, part_path, shard_of
 from .engine import DEFAULT_BATCH_SIZE
 from .files import (
@@ -42,7 +42,7 @@ from .files import (
     repair_torn_tail,
     rewrite_atomically,
 )
-from .memory import kv_memory
+from .memory import default_kv_limit, kv_memory, mib
 from .rows import Row, read_rows, read_share
 from .runner import RowRunner
 
@@ -78,11 +78,18 @@ class BatchOptions:
     limit: Optional[int] = None
     stats_log: Optional[str] = None
     summary_json: Optional[str] = None
+    rows: RowsConfig = field(default_factory=RowsConfig)
+    max_kv_memory: Optional[int] = None  # bytes of KV memory in flight; None: memory.default_kv_limit()
 
     def check(self) -> None:
         """Raise :class:`BatchUsageError` for a bad runner setting (the configs check themselves)."""
         if not isinstance(self.eviction, EvictionConfig) or not isinstance(self.generation, GenerationConfig):
             raise BatchUsageError("eviction and generation must be EvictionConfig and GenerationConfig")
+        if not isinstance(self.rows, RowsConfig):
+            raise BatchUsageError("rows must be a RowsConfig")
+        if self.max_kv_memory is not None and (isinstance(self.max_kv_memory, bool)
+                                               or not isinstance(self.max_kv_memory, int) or self.max_kv_memory < 1):
+            raise BatchUsageError(f"max_kv_memory must be a number of bytes > 0, got {self.max_kv_memory!r}")
         if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int)
                                        or self.limit < 0):
             raise BatchUsageError(f"limit must be an integer >= 0, got {self.limit!r}")
@@ -118,6 +125,8 @@ class BatchSummary:
     kv_ceiling_bytes: Optional[int] = None  # per row, for the run's settings; None: no ceiling
     kv_growth_bytes_per_token: int = 0  # what each token adds in layers that keep every token
     kv_memory: str = ""  # the same, in words
+    kv_limit_bytes: Optional[int] = None  # --max-kv-memory: what the rows in flight may reach together
+    kv_peak_bytes: int = 0  # the most the rows in flight could reach at once in this run
 
     @property
     def exit_code(self) -> int:
@@ -145,6 +154,9 @@ class BatchSummary:
                      f"{self.generated_tokens_per_s:.1f} tokens/s generated")
         if self.kv_memory:
             lines.append(f"  {self.kv_memory}")
+        if self.kv_limit_bytes:
+            lines.append(f"  KV memory in flight: peak {mib(self.kv_peak_bytes)} of the {mib(self.kv_limit_bytes)} "
+                         "limit (--max-kv-memory)")
         for r, numbers in enumerate(self.ranks):
             lines.append(f"  rank {r}: {numbers['rows']} rows ({numbers['ok']} ok, {numbers['failed']} failed, "
                          f"{numbers['skipped']} skipped), {numbers['generated_tokens']} tokens generated, "
@@ -404,7 +416,8 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
             model, tokenizer = get_model(options.model)
         try:
             runner = RowRunner(model, tokenizer, model_spec=options.model, eviction=options.eviction,
-                               generation=options.generation, batch_size=options.batch_size)
+                               generation=options.generation, batch_size=options.batch_size, rows=options.rows,
+                               kv_limit_bytes=options.max_kv_memory or default_kv_limit())
         except ValueError as e:
             raise BatchUsageError(str(e)) from None
         memory = kv_memory(model, runner.base.eviction)
@@ -442,8 +455,8 @@ def _loop(ready: _Prepared, writer, stats, done: set, summary: BatchSummary, pro
     label = f"rank 0/{group.size}" if group.distributed else None
     bar = tqdm(total=ready.total, unit="row", file=sys.stderr, dynamic_ncols=True, desc=label,
                disable=not (progress and sys.stderr.isatty()))
-    sink = _Sink(writer, stats, summary, bar)
-    items = read_share(ready.stream, ready.limit, group.rank, group.size)
+    sink = _Sink(writer, stats, summary, bar, kv=ready.runner.kv)
+    items = read_share(ready.stream, ready.limit, group.rank, group.size, shape=ready.runner.rows)
     with bar:
         try:
             ready.runner.run(items, done, sink.emit, stop_reading=lambda: signals.stop,
@@ -599,7 +612,8 @@ def _finish_group(files: _Files, ready: _Prepared, plan: ResumePlan, summary: Ba
     total = combine_summaries(summaries, files)
     if group.rank == 0:
         ready.stream.seek(0)
-        lines = merge_records(read_share(ready.stream, options.limit), plan.keep, blobs, ready.expected,
+        lines = merge_records(read_share(ready.stream, options.limit, shape=options.rows), plan.keep, blobs,
+                              ready.expected,
                               options.accept_old_records)
         rewrite_atomically(files.output, lines)
         if files.stats_log:
@@ -622,7 +636,9 @@ def combine_summaries(summaries: list[dict], files: _Files) -> BatchSummary:
     first = summaries[0]
     total = BatchSummary(input=files.input, output=files.output, model=first["model"],
                          kv_ceiling_bytes=first["kv_ceiling_bytes"],
-                         kv_growth_bytes_per_token=first["kv_growth_bytes_per_token"], kv_memory=first["kv_memory"])
+                         kv_growth_bytes_per_token=first["kv_growth_bytes_per_token"], kv_memory=first["kv_memory"],
+                         kv_limit_bytes=first["kv_limit_bytes"],
+                         kv_peak_bytes=max(s["kv_peak_bytes"] for s in summaries))  # the limit is per rank
     for name in ("rows", "ok", "failed", "skipped", "tokens_seen", "tokens_kept", "generated_tokens"):
         setattr(total, name, sum(s[name] for s in summaries))
     oks = [(s["ok"], s) for s in summaries if s["ok"]]
@@ -659,7 +675,7 @@ def _scan_rows(stream: BinaryIO, runner: RowRunner, limit: Optional[int],
     expected: dict[str, Optional[str]] = {}
     lines: dict[str, int] = {}
     total = 0
-    for n, item in enumerate(read_rows(stream)):
+    for n, item in enumerate(read_rows(stream, shape=runner.rows)):
         if isinstance(item, Row):
             expected[item.key] = runner.fingerprint(item)
             lines[item.key] = item.line
@@ -709,8 +725,9 @@ class _Sink:
     """Writes each finished record whole, and counts it in the summary and the bar.
     A closed output pipe or an I/O error sets ``stopped``: the run ends there."""
 
-    def __init__(self, writer, stats, summary: BatchSummary, bar):
+    def __init__(self, writer, stats, summary: BatchSummary, bar, kv=None):
         self.writer, self.stats, self.summary, self.bar = writer, stats, summary, bar
+        self.kv = kv  # the runner's KVLimit: memory in flight for the bar and the summary
         self.ratios: list[float] = []
         self.decode_s = 0.0
         self.stopped = False
@@ -756,7 +773,8 @@ class _Sink:
                 tqdm.write(f"error: {record['error']['message']}", file=sys.stderr)
         self.bar.set_postfix({"ok": summary.ok, "failed": summary.failed,
                               "tok/s": f"{summary.generated_tokens / self.decode_s:.1f}" if self.decode_s else "-",
-                              "compress": f"{sum(self.ratios) / len(self.ratios):.2f}x" if self.ratios else "-"},
+                              "compress": f"{sum(self.ratios) / len(self.ratios):.2f}x" if self.ratios else "-",
+                              **({"kv": f"{self.kv.in_flight / 2**20:.0f}MiB"} if self.kv else {})},
                              refresh=False)
         self.bar.update(1)
 
@@ -781,6 +799,8 @@ class _Sink:
                 except rec.FileVanished as e:
                     self._failed(what, writer, e)
         summary.wall_s = wall_s
+        if self.kv is not None:
+            summary.kv_limit_bytes, summary.kv_peak_bytes = self.kv.limit, self.kv.peak
         if self.ratios:
             summary.compression_mean = sum(self.ratios) / len(self.ratios)
             summary.compression_min, summary.compression_max = min(self.ratios), max(self.ratios)

@@ -28,11 +28,14 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode_prompt(tokenizer: Any, prompt: Prompt, chat: Optional[bool] = None) -> list[int]:
+def encode_prompt(tokenizer: Any, prompt: Prompt, chat: Optional[bool] = None,
+                  system_prompt: Optional[str] = None) -> list[int]:
     """Token ids for text, token ids, or chat messages.
 
     ``chat=None`` applies the chat template to text when the tokenizer has one
-    (what an instruct model expects); messages always use it.
+    (what an instruct model expects); messages always use it. ``system_prompt``
+    goes first as a system message (unless the messages start with their own);
+    it needs the chat template.
     """
     if isinstance(prompt, mx.array):
         ids = prompt.tolist()
@@ -42,10 +45,11 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, chat: Optional[bool] = None) -
         if chat is None:
             chat = has_chat_template(tokenizer)
         if chat:
-            return encode_prompt(tokenizer, [{"role": "user", "content": prompt}])
+            return encode_prompt(tokenizer, [{"role": "user", "content": prompt}], system_prompt=system_prompt)
+        _no_system_prompt(system_prompt)
         ids = encode_text(tokenizer, prompt)
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        ids = _encode_messages(tokenizer, prompt, chat)
+        ids = _encode_messages(tokenizer, with_system_prompt(prompt, system_prompt), chat)
     elif isinstance(prompt, (list, tuple)):
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("prompt must be text, a list of token ids, or a list of chat messages")
@@ -71,6 +75,19 @@ def _encode_messages(tokenizer: Any, messages: Sequence[dict], chat: Optional[bo
     return list(ids)
 
 
+def with_system_prompt(messages: Sequence[dict], system_prompt: Optional[str]) -> list[dict]:
+    """``messages`` with ``system_prompt`` first, unless they start with a system message."""
+    messages = list(messages)
+    if system_prompt is None or (messages and messages[0].get("role") == "system"):
+        return messages
+    return [{"role": "system", "content": system_prompt}, *messages]
+
+
+def _no_system_prompt(system_prompt: Optional[str]) -> None:
+    if system_prompt is not None:
+        raise ValueError("system_prompt needs the chat template; it cannot be used with chat=False")
+
+
 def encode_text(tokenizer: Any, text: str) -> list[int]:
     """Plain text to ids, with the tokenizer's BOS unless the text starts with it."""
     bos = getattr(tokenizer, "bos_token", None)
@@ -94,7 +111,7 @@ def _common_prefix(first: Sequence[int], *others: Sequence[int]) -> int:
 
 def split_question_prompts(
     tokenizer: Any, context: str, questions: Sequence[str], *, chat: bool,
-    question_separator: str = DEFAULT_QUESTION_SEPARATOR,
+    question_separator: str = DEFAULT_QUESTION_SEPARATOR, system_prompt: Optional[str] = None,
 ) -> tuple[list[int], list[list[int]]]:
     """``(shared, rests)``: token ids of the context part shared by every question,
     and of each question's remainder, so that ``shared + rests[i]`` equals the
@@ -107,11 +124,12 @@ def split_question_prompts(
     belongs to the question, so no split ever tokenizes differently from the
     whole prompt.
     """
-    wholes = [encode_prompt(tokenizer, context + question_separator + q, chat) for q in questions]
+    wholes = [encode_prompt(tokenizer, context + question_separator + q, chat, system_prompt) for q in questions]
     if chat:
         marker = "\x00KNORM_QUESTION\x00"
         rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": context + marker}], add_generation_prompt=True, tokenize=False)
+            with_system_prompt([{"role": "user", "content": context + marker}], system_prompt),
+            add_generation_prompt=True, tokenize=False)
         head = tokenizer.encode(rendered[: rendered.index(marker)], add_special_tokens=False)
     else:
         head = encode_text(tokenizer, context)
@@ -120,7 +138,8 @@ def split_question_prompts(
 
 
 def question_prompts(model: Any, tokenizer: Any, context: Any, questions: Any, *, chat: Optional[bool],
-                     question_separator: str) -> tuple[list[str], list[int], list[list[int]]]:
+                     question_separator: str,
+                     system_prompt: Optional[str] = None) -> tuple[list[str], list[int], list[list[int]]]:
     """``(questions, context_ids, question_ids)`` for a context and its questions,
     validated (ValueError names the problem) and checked against the model context."""
     if not isinstance(context, str) or not context.strip():
@@ -135,6 +154,6 @@ def question_prompts(model: Any, tokenizer: Any, context: Any, questions: Any, *
             raise ValueError(f"question {i} is empty or not text")
     chat = has_chat_template(tokenizer) if chat is None else chat
     prefix, rests = split_question_prompts(tokenizer, context, questions, chat=chat,
-                                           question_separator=question_separator)
+                                           question_separator=question_separator, system_prompt=system_prompt)
     check_length(model, len(prefix) + max(len(r) for r in rests))
     return questions, prefix, rests

@@ -29,8 +29,9 @@ INVALID_ROW = "invalid_row"
 DUPLICATE_ID = "duplicate_id"
 PROMPT_TOO_LONG = "prompt_too_long"
 GENERATION_ERROR = "generation_error"
+KV_MEMORY_EXCEEDED = "kv_memory_exceeded"  # a row that cannot fit --max-kv-memory even alone
 ERROR_TYPES = (INVALID_UTF8, INVALID_JSON, LINE_TOO_LONG, INVALID_ROW, DUPLICATE_ID, PROMPT_TOO_LONG,
-               GENERATION_ERROR)
+               KV_MEMORY_EXCEEDED, GENERATION_ERROR)
 
 STATS_FIELDS = (
     "finish_reason", "prompt_tokens", "generated_tokens", "tokens_seen", "tokens_kept", "compression_ratio",

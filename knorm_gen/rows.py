@@ -14,13 +14,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Iterator, Optional, Union
 
+from .config import RowsConfig
 from .records import DUPLICATE_ID, INVALID_JSON, INVALID_ROW, INVALID_UTF8, LINE_TOO_LONG, dump_record, id_key
 
 MAX_LINE_BYTES = 64 * 1024 * 1024
 """Longer input lines are skipped unread and reported as ``line_too_long``."""
 
 BOM = b"\xef\xbb\xbf"
-OVERRIDE_FIELDS = ("max_tokens", "temperature", "budget")
+OVERRIDE_FIELDS = ("max_tokens", "temperature", "budget", "top_k", "min_p", "repetition_penalty")
 ROW_FIELDS = ("id", "prompt", "messages", "context", "question", "questions", *OVERRIDE_FIELDS)
 
 RowId = Union[str, int]
@@ -86,8 +87,10 @@ def iter_raw_lines(stream: BinaryIO, max_bytes: Optional[int] = None) -> Iterato
         yield number, chunk.rstrip(b"\r\n")
 
 
-def read_rows(stream: BinaryIO, max_bytes: Optional[int] = None) -> Iterator[Union[Row, RowError]]:
-    """Parse every non-blank line into a :class:`Row` or a :class:`RowError`.
+def read_rows(stream: BinaryIO, max_bytes: Optional[int] = None,
+              shape: Optional[RowsConfig] = None) -> Iterator[Union[Row, RowError]]:
+    """Parse every non-blank line into a :class:`Row` or a :class:`RowError`
+    (``shape``: where the document is, and the job's questions).
 
     Duplicate ids (compared as text) make the later line a ``duplicate_id`` error.
     """
@@ -99,7 +102,7 @@ def read_rows(stream: BinaryIO, max_bytes: Optional[int] = None) -> Iterator[Uni
             continue
         if not raw.strip():
             continue
-        item = parse_line(raw, number)
+        item = parse_line(raw, number, shape)
         if isinstance(item, Row):
             first = seen.get(item.key)
             if first is not None:
@@ -129,7 +132,7 @@ def loads_strict(text: str) -> Any:
     return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
 
 
-def parse_line(raw: bytes, number: int) -> Union[Row, RowError]:
+def parse_line(raw: bytes, number: int, shape: Optional[RowsConfig] = None) -> Union[Row, RowError]:
     """One input line (bytes, no line ending) to a row or an error; never raises."""
     try:
         text = raw.decode("utf-8")
@@ -149,7 +152,7 @@ def parse_line(raw: bytes, number: int) -> Union[Row, RowError]:
     if not isinstance(obj, dict):
         return RowError(number, INVALID_ROW, f"line {number}: expected a JSON object, got {_kind(obj)}")
     try:
-        row = parse_row(obj, number)
+        row = parse_row(obj, number, shape)
         if isinstance(row, Row):
             row.digest = content_digest(obj)
         else:
@@ -170,15 +173,18 @@ def content_digest(obj: Any) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def parse_row(obj: dict, number: int) -> Union[Row, RowError]:
-    """Validate a decoded row object."""
-    meta = {k: v for k, v in obj.items() if k not in ROW_FIELDS}
+def parse_row(obj: dict, number: int, shape: Optional[RowsConfig] = None) -> Union[Row, RowError]:
+    """Validate a decoded row object. ``shape.context_field`` names the field holding
+    a document; ``shape.questions`` are asked of a document with no question of its own."""
+    shape = shape or RowsConfig()
+    consumed = (set(ROW_FIELDS) - {"context"}) | {shape.context_field}
+    meta = {k: v for k, v in obj.items() if k not in consumed}
     row_id = obj.get("id", number)
     problem = _id_error(row_id)
     if problem:
         return RowError(number, INVALID_ROW, f"line {number}: {problem}", meta=meta)
     row = Row(number, row_id, "prompt", meta=meta)
-    problem = _body_error(obj, row) or _overrides_error(obj, row)
+    problem = _body_error(obj, row, shape) or _overrides_error(obj, row)
     if problem:
         return RowError(number, INVALID_ROW, f"line {number}: {problem}", id=row_id, meta=meta)
     return row
@@ -192,29 +198,37 @@ def _id_error(row_id: Any) -> Optional[str]:
     return None
 
 
-def _body_error(obj: dict, row: Row) -> Optional[str]:
-    """Fill ``row`` from the one of prompt / messages / context the object holds."""
-    given = [k for k in ("prompt", "messages", "context") if k in obj]
+def _body_error(obj: dict, row: Row, shape: RowsConfig) -> Optional[str]:
+    """Fill ``row`` from the one of prompt / messages / document the object holds."""
+    field = shape.context_field
+    given = [k for k in ("prompt", "messages", field) if k in obj]
+    if not given and shape.questions:
+        return (f"field {field!r} (the document, --context-field) is missing; with --question every row needs "
+                "it, or a 'prompt' or 'messages' of its own")
     if len(given) != 1:
         what = "none" if not given else " and ".join(repr(k) for k in given)
-        return (f"a row needs exactly one of 'prompt', 'messages', or 'context' (with 'question' "
+        return (f"a row needs exactly one of 'prompt', 'messages', or {field!r} (with 'question' "
                 f"or 'questions'); got {what}")
     kind = given[0]
-    if kind != "context" and ("question" in obj or "questions" in obj):
-        return "'question'/'questions' go with 'context', not with " + repr(kind)
+    if kind != field and ("question" in obj or "questions" in obj):
+        return f"'question'/'questions' go with {field!r}, not with " + repr(kind)
     if kind == "prompt":
         row.prompt = obj["prompt"]
         return _text_error(obj["prompt"], "prompt")
     if kind == "messages":
         row.kind, row.prompt = "messages", obj["messages"]
         return _messages_error(obj["messages"])
-    row.kind, row.context = "questions", obj["context"]
-    return _text_error(obj["context"], "context") or _questions_error(obj, row)
+    row.kind, row.context = "questions", obj[field]
+    return _text_error(obj[field], field) or _questions_error(obj, row, shape)
 
 
-def _questions_error(obj: dict, row: Row) -> Optional[str]:
+def _questions_error(obj: dict, row: Row, shape: RowsConfig) -> Optional[str]:
+    if "question" not in obj and "questions" not in obj and shape.questions:
+        row.questions = list(shape.questions)  # the job's instruction, never evicted like any question
+        return None
     if ("question" in obj) == ("questions" in obj):
-        return "a 'context' row needs exactly one of 'question' (text) or 'questions' (list of text)"
+        return (f"a {shape.context_field!r} row needs exactly one of 'question' (text) or 'questions' (list of "
+                "text), or a job question (--question)")
     if "question" in obj:
         row.questions = [obj["question"]]
         return _text_error(obj["question"], "question")
@@ -281,11 +295,12 @@ def _override_error(name: str, value: Any) -> Optional[str]:
     return None
 
 
-def read_share(stream: BinaryIO, limit: Optional[int] = None, rank: int = 0, size: int = 1) -> Iterator[Union[Row, RowError]]:
+def read_share(stream: BinaryIO, limit: Optional[int] = None, rank: int = 0, size: int = 1,
+               shape: Optional[RowsConfig] = None) -> Iterator[Union[Row, RowError]]:
     """The input items (rows and row errors) up to ``limit``, and of those only the
     share of process ``rank`` of ``size``: the items whose 0-based index (non-blank
     lines) modulo ``size`` is ``rank``."""
-    for n, item in enumerate(read_rows(stream)):
+    for n, item in enumerate(read_rows(stream, shape=shape)):
         if limit is not None and n >= limit:
             return
         if n % size == rank:

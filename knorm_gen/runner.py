@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Union
 
 from . import records as rec
-from .config import EvictionConfig, GenerationConfig, ResolvedEviction, make_configs, settings_dict
-from .engine import Job, Outcome, run_jobs
+from .config import EvictionConfig, GenerationConfig, ResolvedEviction, RowsConfig, make_configs, settings_dict
+from .engine import Job, KVLimit, Outcome, run_jobs
 from .generate import answer_questions, generate_with_eviction
 from .mlx_compat import full_attention_layers
+from .memory import KVMemoryExceeded
 from .prompts import PromptTooLongError, check_length, encode_prompt, question_prompts
 from .rows import Row, RowError
 
@@ -40,9 +41,12 @@ class RowRunner:
     calls first)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, model_spec: str, eviction: EvictionConfig,
-                 generation: GenerationConfig, batch_size: int):
+                 generation: GenerationConfig, batch_size: int, rows: Optional[RowsConfig] = None,
+                 kv_limit_bytes: Optional[int] = None):
         self.model, self.tokenizer, self.model_spec = model, tokenizer, model_spec
         self.eviction, self.generation, self.batch_size = eviction, generation, batch_size
+        self.rows = rows or RowsConfig()
+        self.kv = KVLimit(model, kv_limit_bytes) if kv_limit_bytes is not None else None
         self.full_layers = tuple(full_attention_layers(model))
         self._settings: dict = {}
         self._fingerprints: dict[str, Optional[str]] = {}
@@ -55,7 +59,7 @@ class RowRunner:
         if key not in self._settings:
             eviction, generation = make_configs(self.eviction, self.generation, **overrides)
             resolved = eviction.resolved(len(self.model.layers), self.full_layers)
-            self._settings[key] = RowSettings(resolved, generation, settings_dict(resolved, generation))
+            self._settings[key] = RowSettings(resolved, generation, settings_dict(resolved, generation, self.rows))
         return self._settings[key]
 
     def fingerprint(self, row: Row) -> Optional[str]:
@@ -85,7 +89,8 @@ class RowRunner:
         if settings is not None:
             record["fingerprint"] = self.fingerprint(row)
         if isinstance(e, ValueError):
-            kind = rec.PROMPT_TOO_LONG if isinstance(e, PromptTooLongError) else rec.INVALID_ROW
+            kind = (rec.PROMPT_TOO_LONG if isinstance(e, PromptTooLongError) else
+                    rec.KV_MEMORY_EXCEEDED if isinstance(e, KVMemoryExceeded) else rec.INVALID_ROW)
             return rec.failed(record, kind, str(e), row.line)
         return rec.failed(record, rec.GENERATION_ERROR, f"{type(e).__name__}: {e}", row.line)
 
@@ -108,7 +113,7 @@ class RowRunner:
             return
         jobs = self._jobs(items, done, emit, lambda: stop_reading() or stop_now())
         for job, outcome in run_jobs(self.model, self.tokenizer, jobs, batch_size=self.batch_size,
-                                     seed=self.generation.seed, alone=self._alone):
+                                     seed=self.generation.seed, alone=self._alone, kv_limit=self.kv):
             row, settings = job.tag
             emit(self._outcome_record(row, settings, outcome), row.line)
             if stop_now():
@@ -136,6 +141,8 @@ class RowRunner:
         settings = None
         try:
             settings = self.settings_for(row.overrides)
+            if self.kv is not None:
+                self.kv.check_alone(self._job(row, settings))
             return self.result_record(row, settings, self._generate_alone(row, settings))
         except KeyboardInterrupt:
             raise
@@ -178,9 +185,9 @@ class RowRunner:
         if row.kind == "questions":
             questions, context_ids, question_ids = question_prompts(
                 self.model, self.tokenizer, row.context, row.questions, chat=gen.chat,
-                question_separator=gen.question_separator)
+                question_separator=gen.question_separator, system_prompt=gen.system_prompt)
             return Job(row.line, settings.eviction, gen, context_ids=context_ids, questions=questions,
                        question_ids=question_ids, tag=(row, settings))
-        ids = encode_prompt(self.tokenizer, row.prompt, gen.chat)
+        ids = encode_prompt(self.tokenizer, row.prompt, gen.chat, gen.system_prompt)
         check_length(self.model, len(ids))
         return Job(row.line, settings.eviction, gen, ids=ids, tag=(row, settings))
