@@ -19,9 +19,15 @@ FAST = ["--budget", "16", "--max-tokens", "2"]
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def loaded_model():
     get_model("default")  # cached in-process: every CliRunner call reuses it
+
+
+@pytest.fixture
+def tiny(tiny_model_dir):
+    """Options that run the tiny random model: exact and fast, for runner behaviour."""
+    return ["--model", str(tiny_model_dir), *FAST]
 
 
 def invoke(*args, input=None):
@@ -43,7 +49,7 @@ def untimed(record):
     return out
 
 
-def test_default_output_beside_input_and_summary(tmp_path):
+def test_default_output_beside_input_and_summary(tmp_path, loaded_model):
     inp = tmp_path / "prompts.jsonl"
     inp.write_text('{"id": "a", "prompt": "Say hi."}\n{"id": "b", "prompt": "Say bye."}\n')
     result = invoke(inp, *FAST)
@@ -56,14 +62,14 @@ def test_default_output_beside_input_and_summary(tmp_path):
     assert result.stdout == ""
 
 
-def test_stdin_to_stdout(tmp_path):
-    result = invoke("-", "-o", "-", *FAST, "--quiet", input='{"prompt": "Say hi."}\n')
+def test_stdin_to_stdout(tmp_path, tiny):
+    result = invoke("-", "-o", "-", *tiny, "--quiet", input='{"prompt": "Say hi."}\n')
     assert result.exit_code == 0
     (record,) = [json.loads(line) for line in result.stdout.splitlines()]
     assert record["id"] == 1 and record["error"] is None and "1 rows: 1 ok" in result.stderr
 
 
-def test_hostile_inputs_give_documented_records(tmp_path):
+def test_hostile_inputs_give_documented_records(tmp_path, tiny):
     inp = tmp_path / "hostile.jsonl"
     inp.write_bytes(
         b"\xef\xbb\xbf" + b'{"id": "bom", "prompt": "Say hi."}\r\n'   # 1 BOM + CRLF
@@ -77,7 +83,7 @@ def test_hostile_inputs_give_documented_records(tmp_path):
         b'{"id": "last", "prompt": "Say bye."}'                        # 9 no final newline
     )
     out = tmp_path / "out.jsonl"
-    result = invoke(inp, "-o", out, *FAST)
+    result = invoke(inp, "-o", out, *tiny)
     assert result.exit_code == 1
     got = [(r["id"], r["error"] and r["error"]["type"], r["error"] and r["error"]["line"]) for r in records(out)]
     # batched by default: records appear as rows finish (bad rows at once, good ones when decoded)
@@ -88,10 +94,10 @@ def test_hostile_inputs_give_documented_records(tmp_path):
     assert "9 rows: 2 ok, 7 failed" in result.stderr
 
 
-def test_empty_file_exits_zero(tmp_path):
+def test_empty_file_exits_zero(tmp_path, tiny):
     inp = tmp_path / "empty.jsonl"
     inp.write_bytes(b"")
-    result = invoke(inp, *FAST)
+    result = invoke(inp, *tiny)
     assert result.exit_code == 0 and "0 rows: 0 ok, 0 failed, 0 skipped" in result.stderr
 
 
@@ -102,10 +108,10 @@ def test_empty_file_exits_zero(tmp_path):
     (["--budget", "8", "--n-sink", "4", "--recent", "4"], "n_sink + recent must be < budget"),
     (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
 ])
-def test_bad_options_exit_2(tmp_path, args, message):
+def test_bad_options_exit_2(tmp_path, tiny_model_dir, args, message):
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"prompt": "x"}\n')
-    result = invoke(inp, *args)
+    result = invoke(inp, "--model", tiny_model_dir, *args)
     assert result.exit_code == 2 and message in result.stderr
     assert not (tmp_path / "in.completions.jsonl").exists()
 
@@ -127,7 +133,7 @@ def test_version():
     assert result.exit_code == 0 and "knorm-batch, version" in result.stdout
 
 
-def test_job_file_equals_flags_and_flags_override(tmp_path):
+def test_job_file_equals_flags_and_flags_override(tmp_path, loaded_model):
     jobs = tmp_path / "jobs"
     jobs.mkdir()
     inp = tmp_path / "rows.jsonl"
@@ -260,7 +266,7 @@ def test_kill_9_with_a_batch_in_flight_then_rerun_gives_every_id_once(tmp_path, 
     assert sorted(ids) == list(range(12))
 
 
-def test_early_factor_bounds_memory_and_says_so(tmp_path):
+def test_early_factor_bounds_memory_and_says_so(tmp_path, loaded_model):
     inp = tmp_path / "prompts.jsonl"
     inp.write_text('{"id": "a", "prompt": "Say hi."}\n')
     result = invoke(inp, *FAST, "--early-factor", "8")
@@ -295,15 +301,22 @@ FIELD_VALUES = {
     "prefill_step_size": ("64", 64, "prefill_step_size", 64),
     "chat": ("--no-chat", False, "chat", False),
     "question_separator": (" | ", " | ", "question_separator", " | "),
+    "top_k": ("5", 5, "top_k", 5),
+    "min_p": ("0.1", 0.1, "min_p", 0.1),
+    "repetition_penalty": ("1.3", 1.3, "repetition_penalty", 1.3),
+    "repetition_context_size": ("7", 7, "repetition_context_size", 7),
+    "system_prompt": ("Be brief.", "Be brief.", "system_prompt", "Be brief."),
+    "questions": ("Why?", ["Why?"], "questions", ["Why?"]),
+    "context_field": ("text", "text", "context_field", "text"),
 }
 
 
 def test_every_config_field_is_reachable_from_the_cli_and_job_files(tmp_path, tiny_model_dir):
     from dataclasses import fields
 
-    from knorm_gen.config import EvictionConfig, GenerationConfig
+    from knorm_gen.config import EvictionConfig, GenerationConfig, RowsConfig
 
-    names = [f.name for f in (*fields(EvictionConfig), *fields(GenerationConfig))]
+    names = [f.name for f in (*fields(EvictionConfig), *fields(GenerationConfig), *fields(RowsConfig))]
     assert sorted(FIELD_VALUES) == sorted(names), "a config field has no check here: add it to FIELD_VALUES"
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"id": "a", "prompt": "Hello there, how are you today?"}\n')
@@ -311,8 +324,10 @@ def test_every_config_field_is_reachable_from_the_cli_and_job_files(tmp_path, ti
         base = {"budget": 16, "max_tokens": 2} if name not in ("budget", "max_tokens") else {}
         if name == "early_factor":
             base["budget"] = 16
-        section = "eviction" if name in [f.name for f in fields(EvictionConfig)] else "generation"
-        args = [text] if text.startswith("--") else [f"--{name.replace('_', '-')}", text]
+        section = ("eviction" if name in [f.name for f in fields(EvictionConfig)] else
+                   "rows" if name in [f.name for f in fields(RowsConfig)] else "generation")
+        flag = "question" if name == "questions" else name
+        args = [text] if text.startswith("--") else [f"--{flag.replace('_', '-')}", text]
         flag_out = tmp_path / f"{name}.flags.jsonl"
         result = invoke(inp, "-o", flag_out, "--model", tiny_model_dir, "--batch-size", "1", "-q", *args,
                         *[a for k, v in base.items() for a in (f"--{k.replace('_', '-')}", str(v))])
@@ -323,7 +338,8 @@ def test_every_config_field_is_reachable_from_the_cli_and_job_files(tmp_path, ti
                        + (f"{name} = {_toml(toml_value)}\n" if section == "eviction" else "")
                        + "[generation]\n" + "".join(f"{k} = {v}\n" for k, v in base.items() if k == "max_tokens")
                        + (f"{name} = {_toml(toml_value)}\n"
-                          if section == "generation" else ""))
+                          if section == "generation" else "")
+                       + (f"[rows]\n{name} = {_toml(toml_value)}\n" if section == "rows" else ""))
         job_out = tmp_path / f"{name}.job.jsonl"
         result = invoke(inp, "-o", job_out, "--job", job, "-q")
         assert result.exit_code == 0, (name, job.read_text(), result.stderr)
