@@ -1,4 +1,4 @@
-"""run_batch on the real embedded model with tiny generations."""
+"""run_batch on the tiny random model: records and exit codes against the library's own calls."""
 
 import json
 
@@ -20,8 +20,12 @@ def options(**kw):
 
 
 @pytest.fixture(scope="module")
-def mt():
-    return get_model("default")
+def mt(tiny_model_dir):
+    MODEL["spec"] = str(tiny_model_dir)
+    return get_model(MODEL["spec"])
+
+
+MODEL = {"spec": "default"}  # the tiny model's folder once the fixture ran
 
 
 def write_rows(path, rows):
@@ -36,7 +40,7 @@ def read_records(path):
 def run(tmp_path, rows, name="in.jsonl", **kw):
     # one row at a time unless a test batches: records then follow input order and
     # each equals the single-row library call exactly
-    opts = options(**{**OPTS, "batch_size": 1, **kw.pop("options", {})})
+    opts = options(**{**OPTS, "batch_size": 1, "model": MODEL["spec"], **kw.pop("options", {})})
     inp = write_rows(tmp_path / name, rows)
     out = str(tmp_path / "out.jsonl")
     return run_batch(inp, out, opts, progress=False, **kw), out
@@ -60,8 +64,9 @@ def test_records_match_library_calls_and_share_one_shape(tmp_path, mt):
         "prompt_tokens": ref.prompt_tokens, "tokens_seen": ref.tokens_seen, "tokens_kept": 16,
         "kept_bytes": ref.kept_bytes, "full_bytes": ref.full_bytes}
     assert p["compression_ratio"] == pytest.approx(p["full_bytes"] / p["kept_bytes"])
-    assert p["meta"] == {"source": "test"} and p["model"] == "default" and p["error"] is None
-    assert p["config"]["budget"] == 16 and p["config"]["max_tokens"] == 2 and p["config"]["skip_layers"] == list(range(9))
+    assert p["meta"] == {"source": "test"} and p["model"] == MODEL["spec"] and p["error"] is None
+    # the tiny model has 4 layers: the first 30%, at least two, stay uncompressed
+    assert p["config"]["budget"] == 16 and p["config"]["max_tokens"] == 2 and p["config"]["skip_layers"] == [0, 1]
     assert m["completion"] == generate_with_eviction(model, tok, [{"role": "user", "content": "Say hi."}], **OPTS).text
 
     refs = answer_questions(model, tok, "The cat is black. The dog is white.", ["What colour is the dog?", "And the cat?"], **OPTS)
