@@ -67,7 +67,7 @@ def _config_option(f: Field) -> Callable:
                                          if isinstance(f.default, str) else str(f.default))
     kw: dict[str, Any] = dict(help=meta.get("help"), default=None, show_default=shown)
     name = "--" + f.name.replace("_", "-")
-    if f.type == "Optional[bool]":
+    if f.type in ("Optional[bool]", "bool"):
         return click.option(f"{name}/--no-{f.name.replace('_', '-')}", **kw)
     if meta.get("parse"):
         kw["type"] = _Parsed(meta.get("metavar") or f.name.upper(), meta["parse"])

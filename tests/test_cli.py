@@ -294,6 +294,7 @@ FIELD_VALUES = {
     "seed": ("7", 7, "seed", 7),
     "prefill_step_size": ("64", 64, "prefill_step_size", 64),
     "chat": ("--no-chat", False, "chat", False),
+    "parse_special_tokens": ("--parse-special-tokens", True, "parse_special_tokens", True),
     "question_separator": (" | ", " | ", "question_separator", " | "),
 }
 
