@@ -24,6 +24,7 @@ from . import __version__
 from .config import EVICTION_FIELDS, GENERATION_FIELDS, EvictionConfig, GenerationConfig, make_configs
 from .job import (
     EXIT_INTERNAL_ERROR,
+    EXIT_IO_ERROR,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     BatchOptions,
@@ -236,7 +237,7 @@ def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optio
 
 
 def _run(ctx: click.Context, settings: dict, options: BatchOptions, quiet: bool) -> None:
-    from .distributed import group as launch_group
+    from .distributed import PeerLost, group as launch_group
 
     job = launch_group()  # one process unless started by mlx.launch
     try:
@@ -248,6 +249,10 @@ def _run(ctx: click.Context, settings: dict, options: BatchOptions, quiet: bool)
     except Interrupted:
         click.echo("knorm-batch: interrupted before any row ran; nothing was written", err=True)
         ctx.exit(EXIT_INTERRUPTED)
+    except PeerLost as e:  # another rank was killed: not a bug here, and the same contract as a full disk
+        click.echo(f"knorm-batch: {e}; finished records are kept in the part files, rerun the launch to resume "
+                   f"(mlx.launch reports which rank exited, with its status)", err=True)
+        ctx.exit(EXIT_IO_ERROR)
     except Exception:  # noqa: BLE001 - a bug, not a bad row: say so, with the traceback to report
         click.echo(traceback.format_exc(), err=True, nl=False)
         click.echo("knorm-batch: internal error (please report it); finished records are kept and a rerun "
