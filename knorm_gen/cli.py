@@ -33,6 +33,7 @@ from .config import (
 )
 from .job import (
     EXIT_INTERNAL_ERROR,
+    EXIT_IO_ERROR,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     BatchOptions,
@@ -83,7 +84,7 @@ def _config_option(f: Field) -> Callable:
     name = "--" + (meta.get("cli_name") or f.name).replace("_", "-")
     if meta.get("multiple"):
         kw.update(multiple=True, default=(), show_default=False)
-    if f.type == "Optional[bool]":
+    if f.type in ("Optional[bool]", "bool"):
         return click.option(f"{name}/--no-{f.name.replace('_', '-')}", **kw)
     if meta.get("parse"):
         kw["type"] = _Parsed(meta.get("metavar") or f.name.upper(), meta["parse"])
@@ -271,7 +272,7 @@ def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optio
 
 
 def _run(ctx: click.Context, settings: dict, options: BatchOptions, quiet: bool) -> None:
-    from .distributed import group as launch_group
+    from .distributed import PeerLost, group as launch_group
 
     job = launch_group()  # one process unless started by mlx.launch
     try:
@@ -283,6 +284,10 @@ def _run(ctx: click.Context, settings: dict, options: BatchOptions, quiet: bool)
     except Interrupted:
         click.echo("knorm-batch: interrupted before any row ran; nothing was written", err=True)
         ctx.exit(EXIT_INTERRUPTED)
+    except PeerLost as e:  # another rank was killed: not a bug here, and the same contract as a full disk
+        click.echo(f"knorm-batch: {e}; finished records are kept in the part files, rerun the launch to resume "
+                   f"(mlx.launch reports which rank exited, with its status)", err=True)
+        ctx.exit(EXIT_IO_ERROR)
     except Exception:  # noqa: BLE001 - a bug, not a bad row: say so, with the traceback to report
         click.echo(traceback.format_exc(), err=True, nl=False)
         click.echo("knorm-batch: internal error (please report it); finished records are kept and a rerun "

@@ -51,6 +51,19 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+MIN_TEMPERATURE = 2.0**-126
+"""The smallest positive temperature accepted (the smallest normal float32):
+below about 3e-39 the sampler's ``1 / temperature`` is inf in float32."""
+
+
+def _finite_float(value: Any) -> bool:
+    """Whether a number converts to a finite float (an integer of 400 digits does not)."""
+    try:
+        return math.isfinite(float(value))
+    except (OverflowError, ValueError, TypeError):
+        return False
+
+
 def validate_eviction_args(budget: Any, n_sink: Any, recent: Any, keep: Any) -> None:
     """Raise ValueError naming the field when an eviction setting is invalid."""
     for name, value in (("budget", budget), ("n_sink", n_sink), ("recent", recent)):
@@ -342,7 +355,19 @@ class ResolvedEviction:
 class GenerationConfig:
     """How text is generated. ``chat=None`` applies the chat template to text
     when the tokenizer has one; ``question_separator`` goes between a context
-    and each question in :func:`~knorm_gen.answer_questions`."""
+    and each question in :func:`~knorm_gen.answer_questions`.
+
+    ``temperature`` is 0 (greedy) or at least :data:`MIN_TEMPERATURE` (2**-126,
+    about 1.2e-38, the smallest normal float32): a smaller positive one is
+    refused, since the sampler's ``1 / temperature`` overflows float32 and would
+    sample uniformly random tokens. A number that is not a finite float (an
+    integer of a few hundred digits) is refused like any bad value.
+
+    ``parse_special_tokens=False`` (the default) tokenizes user text (prompts,
+    message roles and contents, contexts, questions) as text: ``<|im_end|>``
+    written in a document is those characters, and only the chat template's own
+    markers are control tokens. True parses special-token spellings in user
+    text as the tokenizer's control tokens (what the template path did before)."""
 
     max_tokens: int = _setting(256, "Tokens to generate at most, per row (per answer for question rows).")
     temperature: float = _setting(0.0, "Sampling temperature; 0 = greedy.")
@@ -362,16 +387,23 @@ class GenerationConfig:
                                               "repeat themselves: 1.1-1.3 helps).")
     repetition_context_size: int = _setting(20, "Tokens the repetition penalty looks back over.")
     system_prompt: Optional[str] = _setting(None, "A system message before each row's prompt (chat template only).")
+    parse_special_tokens: bool = _setting(False, "Parse special-token spellings in user text (<|im_end|>) as "
+                                                 "control tokens; by default they are text.")
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite_float(value):
+                shown = "an integer too large for a float" if _is_int(value) else repr(value)
+                raise ValueError(f"{name} must be a finite number, got {shown}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least 2**-126 (about 1.2e-38), got "
+                             f"{self.temperature!r}: smaller, 1/temperature overflows float32 and sampling "
+                             f"becomes uniformly random")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
@@ -383,14 +415,17 @@ class GenerationConfig:
         if not isinstance(self.question_separator, str):
             raise ValueError(f"question_separator must be text, got {self.question_separator!r}")
         self._check_sampling()
+        if not isinstance(self.parse_special_tokens, bool):
+            raise ValueError(f"parse_special_tokens must be true or false, got {self.parse_special_tokens!r}")
 
     def _check_sampling(self) -> None:
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        for name, low_ok in (("min_p", True), ("repetition_penalty", False)):
+        for name in ("min_p", "repetition_penalty"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite_float(value):
+                shown = "an integer too large for a float" if _is_int(value) else repr(value)
+                raise ValueError(f"{name} must be a finite number, got {shown}")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
         if self.repetition_penalty <= 0:
@@ -411,7 +446,8 @@ class GenerationConfig:
         return d
 
 
-_LATER_GENERATION_FIELDS = ("top_k", "min_p", "repetition_penalty", "repetition_context_size", "system_prompt")
+_LATER_GENERATION_FIELDS = ("top_k", "min_p", "repetition_penalty", "repetition_context_size", "system_prompt",
+                            "parse_special_tokens")
 
 
 @dataclass(frozen=True)

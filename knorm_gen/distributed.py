@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +33,28 @@ from . import records as rec
 from .rows import Row
 
 _PART = re.compile(r"^(?P<stem>.+)\.part-(?P<rank>\d+)-of-(?P<size>\d+)(?P<suffix>\.[^.]*)?$")
+
+
+class PeerLost(Exception):
+    """A collective failed because another rank of the launch died (killed, or
+    its machine gone): ``phase`` names the exchange, ``detail`` MLX's words."""
+
+    def __init__(self, rank: int, phase: str, detail: str):
+        super().__init__(f"rank {rank}: a peer rank died during {phase} ({detail})")
+        self.rank, self.phase, self.detail = rank, phase, detail
+
+
+_PHASES = {"_prepare": "the start", "_plan_group": "the resume exchange", "_finish_group": "the merge"}
+
+
+def _phase() -> str:
+    """Which exchange of a job the current collective belongs to (from its caller in job.py)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in _PHASES:
+            return _PHASES[frame.f_code.co_name]
+        frame = frame.f_back
+    return "a collective"
 
 
 @dataclass(frozen=True)
@@ -47,7 +70,14 @@ class Group:
         return self.size > 1
 
     def gather_bytes(self, data: bytes) -> list[bytes]:
-        """Every rank's ``data``, in rank order, on every rank."""
+        """Every rank's ``data``, in rank order, on every rank. :class:`PeerLost`
+        when another rank died."""
+        try:
+            return self._gather_bytes(data)
+        except RuntimeError as e:  # MLX: "[ring] connection to a peer was lost"
+            raise PeerLost(self.rank, _phase(), " ".join(str(e).split())[:200]) from None
+
+    def _gather_bytes(self, data: bytes) -> list[bytes]:
         import mlx.core as mx
 
         with _default_signals():

@@ -87,7 +87,8 @@ def stream_with_eviction(
     decoded and ends with the :class:`GenerationResult`."""
     eviction, generation = resolve_settings(model, eviction, generation, settings)
     tok = as_tokenizer(tokenizer)
-    ids = encode_prompt(tok, prompt, generation.chat, generation.system_prompt)
+    ids = encode_prompt(tok, prompt, generation.chat, generation.system_prompt,
+                        special=generation.parse_special_tokens)
     check_length(model, len(ids))
     if generation.seed is not None:
         mx.random.seed(generation.seed)
@@ -142,7 +143,8 @@ def stream_batch_with_eviction(
 
     def jobs() -> Iterator[Job]:
         for index, prompt in enumerate(prompts):
-            ids = encode_prompt(tok, prompt, generation.chat, generation.system_prompt)
+            ids = encode_prompt(tok, prompt, generation.chat, generation.system_prompt,
+                                special=generation.parse_special_tokens)
             check_length(model, len(ids))
             yield Job(index, eviction, generation, ids=ids)
 
@@ -216,7 +218,7 @@ def answer_questions(
     tok = as_tokenizer(tokenizer)
     questions, context_ids, question_ids = question_prompts(
         model, tok, context, questions, chat=generation.chat, question_separator=generation.question_separator,
-        system_prompt=generation.system_prompt)
+        system_prompt=generation.system_prompt, special=generation.parse_special_tokens)
     job = Job("context", eviction, generation, context_ids=context_ids, questions=questions,
               question_ids=question_ids)
     ((_, results),) = run_jobs(model, tok, [job], batch_size=batch_size, seed=generation.seed)

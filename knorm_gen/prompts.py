@@ -4,6 +4,8 @@ check that a prompt fits the model's context."""
 
 from __future__ import annotations
 
+import re
+import weakref
 from typing import Any, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -28,14 +30,17 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode_prompt(tokenizer: Any, prompt: Prompt, chat: Optional[bool] = None,
-                  system_prompt: Optional[str] = None) -> list[int]:
+def encode_prompt(tokenizer: Any, prompt: Prompt, chat: Optional[bool] = None, system_prompt: Optional[str] = None,
+                  *, special: bool = False) -> list[int]:
     """Token ids for text, token ids, or chat messages.
 
     ``chat=None`` applies the chat template to text when the tokenizer has one
     (what an instruct model expects); messages always use it. ``system_prompt``
     goes first as a system message (unless the messages start with their own);
-    it needs the chat template.
+    it needs the chat template. User text is
+    tokenized as text: ``<|im_end|>`` written in it is those characters, not the
+    control token (only the chat template's own markers are). ``special=True``
+    (``parse_special_tokens``) parses special-token spellings in the text too.
     """
     if isinstance(prompt, mx.array):
         ids = prompt.tolist()
@@ -45,11 +50,12 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, chat: Optional[bool] = None,
         if chat is None:
             chat = has_chat_template(tokenizer)
         if chat:
-            return encode_prompt(tokenizer, [{"role": "user", "content": prompt}], system_prompt=system_prompt)
+            return encode_prompt(tokenizer, [{"role": "user", "content": prompt}], system_prompt=system_prompt,
+                                 special=special)
         _no_system_prompt(system_prompt)
-        ids = encode_text(tokenizer, prompt)
+        ids = encode_text(tokenizer, prompt, special=special)
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        ids = _encode_messages(tokenizer, with_system_prompt(prompt, system_prompt), chat)
+        ids = _encode_messages(tokenizer, with_system_prompt(prompt, system_prompt), chat, special)
     elif isinstance(prompt, (list, tuple)):
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("prompt must be text, a list of token ids, or a list of chat messages")
@@ -61,7 +67,7 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, chat: Optional[bool] = None,
     return list(ids)
 
 
-def _encode_messages(tokenizer: Any, messages: Sequence[dict], chat: Optional[bool]) -> list[int]:
+def _encode_messages(tokenizer: Any, messages: Sequence[dict], chat: Optional[bool], special: bool = False) -> list[int]:
     for i, m in enumerate(messages):
         if "role" not in m or "content" not in m:
             raise ValueError(f"chat message {i} needs 'role' and 'content' keys, got {sorted(m)}")
@@ -69,6 +75,8 @@ def _encode_messages(tokenizer: Any, messages: Sequence[dict], chat: Optional[bo
         raise ValueError("chat messages need the chat template; do not pass chat=False with messages")
     if not has_chat_template(tokenizer):
         raise ValueError("this tokenizer has no chat template, so chat messages cannot be rendered")
+    if not special and _holds_special(tokenizer, [m[k] for m in messages for k in ("role", "content")]):
+        return _render_as_text(tokenizer, messages)
     ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict):  # transformers may return a BatchEncoding
         ids = ids["input_ids"]
@@ -88,10 +96,84 @@ def _no_system_prompt(system_prompt: Optional[str]) -> None:
         raise ValueError("system_prompt needs the chat template; it cannot be used with chat=False")
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """Plain text to ids, with the tokenizer's BOS unless the text starts with it."""
+def encode_text(tokenizer: Any, text: str, *, special: bool = False) -> list[int]:
+    """Plain text to ids, with the tokenizer's BOS (unless ``special`` and the
+    text starts with it); special-token spellings are text unless ``special``."""
+    if not special:
+        return list(tokenizer.encode(text, add_special_tokens=True, split_special_tokens=True))
     bos = getattr(tokenizer, "bos_token", None)
     return list(tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
+
+
+_SPECIALS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _specials(tokenizer: Any) -> tuple[Optional["re.Pattern"], dict]:
+    """A regex matching the spelling of any of the tokenizer's special tokens
+    (None: none) and each spelling's id; found once per tokenizer (Gemma 3 has
+    6,249 special tokens)."""
+    inner = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+    try:
+        return _SPECIALS[inner]
+    except (KeyError, TypeError):
+        pass
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids = {t.content: i for i, t in decoder.items() if getattr(t, "special", False) and t.content}
+    spellings = sorted(ids, key=len, reverse=True)
+    found = (re.compile("|".join(map(re.escape, spellings))) if spellings else None, ids)
+    try:
+        _SPECIALS[inner] = found
+    except TypeError:  # not weakly referable: found again next time
+        pass
+    return found
+
+
+def _special_pattern(tokenizer: Any) -> Optional["re.Pattern"]:
+    return _specials(tokenizer)[0]
+
+
+def _holds_special(tokenizer: Any, texts: Sequence[str]) -> bool:
+    pattern = _special_pattern(tokenizer)
+    return pattern is not None and any(pattern.search(t) for t in texts)
+
+
+_SENTINEL = "\x00KNORM_TEXT_{}\x00"
+
+
+def _render_as_text(tokenizer: Any, messages: Sequence[dict], *, until: Optional[str] = None) -> list[int]:
+    """Messages through the chat template, the template's markers as special
+    tokens and the contents as text (only called when a content spells a
+    special token; otherwise the template's own tokenization is used as ever).
+    Each special spelling in a content is swapped for a sentinel before
+    rendering, so every special token left in the rendered text is the
+    template's; the text between two of them is tokenized with special tokens
+    split, sentinels restored. ``until``: only the rendered text before it."""
+    pattern = _special_pattern(tokenizer)
+    found: list[str] = []
+
+    def hide(m: "re.Match") -> str:
+        found.append(m.group(0))
+        return _SENTINEL.format(len(found) - 1)
+
+    hidden = [{**m, "role": pattern.sub(hide, m["role"]), "content": pattern.sub(hide, m["content"])}
+              for m in messages]
+    rendered = tokenizer.apply_chat_template(hidden, add_generation_prompt=True, tokenize=False)
+    if until is not None:
+        rendered = rendered[: rendered.index(until)]
+    restore = re.compile(_SENTINEL.format("([0-9]+)"))
+    vocab = _specials(tokenizer)[1]
+    ids: list[int] = []
+    pos = 0
+    for m in list(pattern.finditer(rendered)) + [None]:
+        piece = rendered[pos: m.start() if m else len(rendered)]
+        if piece:
+            piece = restore.sub(lambda r: found[int(r.group(1))] if int(r.group(1)) < len(found) else r.group(0),
+                                piece)
+            ids.extend(tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=True))
+        if m:
+            ids.append(vocab[m.group(0)])
+            pos = m.end()
+    return ids
 
 
 def check_length(model: Any, n_prompt: int) -> None:
@@ -111,7 +193,7 @@ def _common_prefix(first: Sequence[int], *others: Sequence[int]) -> int:
 
 def split_question_prompts(
     tokenizer: Any, context: str, questions: Sequence[str], *, chat: bool,
-    question_separator: str = DEFAULT_QUESTION_SEPARATOR, system_prompt: Optional[str] = None,
+    question_separator: str = DEFAULT_QUESTION_SEPARATOR, system_prompt: Optional[str] = None, special: bool = False,
 ) -> tuple[list[int], list[list[int]]]:
     """``(shared, rests)``: token ids of the context part shared by every question,
     and of each question's remainder, so that ``shared + rests[i]`` equals the
@@ -122,24 +204,28 @@ def split_question_prompts(
     The shared part is the longest token prefix common to every whole prompt
     and to the context alone: a token that BPE merges across the boundary
     belongs to the question, so no split ever tokenizes differently from the
-    whole prompt.
+    whole prompt. Special-token spellings are text unless ``special`` (see
+    :func:`encode_prompt`).
     """
-    wholes = [encode_prompt(tokenizer, context + question_separator + q, chat, system_prompt) for q in questions]
+    wholes = [encode_prompt(tokenizer, context + question_separator + q, chat, system_prompt, special=special)
+              for q in questions]
     if chat:
         marker = "\x00KNORM_QUESTION\x00"
-        rendered = tokenizer.apply_chat_template(
-            with_system_prompt([{"role": "user", "content": context + marker}], system_prompt),
-            add_generation_prompt=True, tokenize=False)
-        head = tokenizer.encode(rendered[: rendered.index(marker)], add_special_tokens=False)
+        messages = with_system_prompt([{"role": "user", "content": context + marker}], system_prompt)
+        if not special and _holds_special(tokenizer, [context, system_prompt or ""]):
+            head = _render_as_text(tokenizer, messages, until=marker)
+        else:
+            rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            head = tokenizer.encode(rendered[: rendered.index(marker)], add_special_tokens=False)
     else:
-        head = encode_text(tokenizer, context)
+        head = encode_text(tokenizer, context, special=special)
     n = _common_prefix(head, *wholes)
     return wholes[0][:n], [w[n:] for w in wholes]
 
 
 def question_prompts(model: Any, tokenizer: Any, context: Any, questions: Any, *, chat: Optional[bool],
-                     question_separator: str,
-                     system_prompt: Optional[str] = None) -> tuple[list[str], list[int], list[list[int]]]:
+                     question_separator: str, system_prompt: Optional[str] = None,
+                     special: bool = False) -> tuple[list[str], list[int], list[list[int]]]:
     """``(questions, context_ids, question_ids)`` for a context and its questions,
     validated (ValueError names the problem) and checked against the model context."""
     if not isinstance(context, str) or not context.strip():
@@ -154,6 +240,7 @@ def question_prompts(model: Any, tokenizer: Any, context: Any, questions: Any, *
             raise ValueError(f"question {i} is empty or not text")
     chat = has_chat_template(tokenizer) if chat is None else chat
     prefix, rests = split_question_prompts(tokenizer, context, questions, chat=chat,
-                                           question_separator=question_separator, system_prompt=system_prompt)
+                                           question_separator=question_separator, system_prompt=system_prompt,
+                                           special=special)
     check_length(model, len(prefix) + max(len(r) for r in rests))
     return questions, prefix, rests

@@ -285,11 +285,21 @@ def _messages_error(value: Any) -> Optional[str]:
     return None
 
 
+def _fits_float(value: Any) -> bool:
+    try:
+        float(value)
+    except OverflowError:  # an integer of a few hundred digits
+        return False
+    return True
+
+
 def _override_error(name: str, value: Any) -> Optional[str]:
     if name == "max_tokens" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         return f"field 'max_tokens' must be an integer >= 1, got {_show(value)}"
     if name == "temperature" and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
         return f"field 'temperature' must be a number >= 0, got {_show(value)}"
+    if name == "temperature" and not _fits_float(value):
+        return "field 'temperature' must be a number >= 0, got an integer too large for a float"
     if name == "budget" and value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         return f"field 'budget' must be an integer >= 1 or null (full cache), got {_show(value)}"
     return None

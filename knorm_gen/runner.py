@@ -185,9 +185,10 @@ class RowRunner:
         if row.kind == "questions":
             questions, context_ids, question_ids = question_prompts(
                 self.model, self.tokenizer, row.context, row.questions, chat=gen.chat,
-                question_separator=gen.question_separator, system_prompt=gen.system_prompt)
+                question_separator=gen.question_separator, system_prompt=gen.system_prompt,
+                special=gen.parse_special_tokens)
             return Job(row.line, settings.eviction, gen, context_ids=context_ids, questions=questions,
                        question_ids=question_ids, tag=(row, settings))
-        ids = encode_prompt(self.tokenizer, row.prompt, gen.chat, gen.system_prompt)
+        ids = encode_prompt(self.tokenizer, row.prompt, gen.chat, gen.system_prompt, special=gen.parse_special_tokens)
         check_length(self.model, len(ids))
         return Job(row.line, settings.eviction, gen, ids=ids, tag=(row, settings))

@@ -300,6 +300,7 @@ FIELD_VALUES = {
     "seed": ("7", 7, "seed", 7),
     "prefill_step_size": ("64", 64, "prefill_step_size", 64),
     "chat": ("--no-chat", False, "chat", False),
+    "parse_special_tokens": ("--parse-special-tokens", True, "parse_special_tokens", True),
     "question_separator": (" | ", " | ", "question_separator", " | "),
     "top_k": ("5", 5, "top_k", 5),
     "min_p": ("0.1", 0.1, "min_p", 0.1),
