@@ -393,7 +393,7 @@ class GenerationConfig:
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite_float(value):
                 shown = "an integer too large for a float" if _is_int(value) else repr(value)
@@ -421,11 +421,6 @@ class GenerationConfig:
     def _check_sampling(self) -> None:
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        for name in ("min_p", "repetition_penalty"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite_float(value):
-                shown = "an integer too large for a float" if _is_int(value) else repr(value)
-                raise ValueError(f"{name} must be a finite number, got {shown}")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
         if self.repetition_penalty <= 0:
