@@ -290,7 +290,13 @@ class KVLimit:
         self._update()
 
     def release(self, key: Hashable) -> None:
+        """A sequence finished: its memory is free."""
         self._needs.pop(key, None)
+        self._update()
+
+    def release_job(self, job: "Job") -> None:
+        for i in range(job.sequences):
+            self._needs.pop((job.key, i), None)
         self._update()
 
     def _update(self) -> None:
@@ -342,10 +348,9 @@ def run_jobs(model: Any, tokenizer: Any, jobs: Iterable[Job], *, batch_size: int
             stuck = [job for job, _ in flight.values()]
             flight.clear()
             engine = None
-            if kv_limit is not None:
-                for job in stuck:
-                    for i in range(job.sequences):
-                        kv_limit.release((job.key, i))
+            for job in stuck:
+                if kv_limit is not None:
+                    kv_limit.release_job(job)
             for job in stuck:
                 yield job, _alone(alone, job)
             return
@@ -389,9 +394,8 @@ def run_jobs(model: Any, tokenizer: Any, jobs: Iterable[Job], *, batch_size: int
             if alone is None:
                 raise
             del flight[job.key]
-            for i in range(job.sequences):
-                if kv_limit is not None:
-                    kv_limit.release((job.key, i))
+            if kv_limit is not None:
+                kv_limit.release_job(job)
             yield job, e
             continue
         while engine is not None and len(engine) >= batch_size:
