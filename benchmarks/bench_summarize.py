@@ -91,11 +91,15 @@ def run_ours(model, tok, docs, batch_size: int, budget: int, max_tokens: int) ->
 
 def run_mlx(model, tok, docs, batch_size: int, max_tokens: int, max_kv_size=None) -> dict:
     prompts = [encode_prompt(tok, INSTRUCTION_FIRST + d.text) for d in docs]
+    # mlx_lm 0.32.2's make_prompt_cache ignores max_kv_size for models with their own make_cache
+    # (llama has one), so max_kv_size does nothing there: give each prompt the caches it stands for,
+    # RotatingKVCache(max_kv_size, keep=4) in every full-attention layer.
+    caches = None if max_kv_size is None else [_rotating(model, max_kv_size) for _ in prompts]
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    response = batch_generate(model, tok, prompts, max_tokens=max_tokens, completion_batch_size=batch_size,
-                              prefill_batch_size=batch_size, prefill_step_size=512, max_kv_size=max_kv_size,
-                              return_token_ids=True)
+    response = batch_generate(model, tok, prompts, prompt_caches=caches, max_tokens=max_tokens,
+                              completion_batch_size=batch_size, prefill_batch_size=batch_size,
+                              prefill_step_size=512, return_token_ids=True)
     wall = time.perf_counter() - tic
     peak = mx.get_peak_memory() / 1e9
     per_position = _bytes_per_position(model)
@@ -107,6 +111,11 @@ def run_mlx(model, tok, docs, batch_size: int, max_tokens: int, max_kv_size=None
             "kv_bytes_max": per_position * max(held), "kv_bytes_mean": per_position * sum(held) / len(held),
             "prefill_share": prefill / (prefill + decode), "decode_share": decode / (prefill + decode),
             "texts": {d.name: text for d, text in zip(docs, response.texts)}}
+
+
+def _rotating(model, size: int) -> list:
+    full = set(full_attention_layers(model))
+    return [RotatingKVCache(max_size=size, keep=4) if i in full else c for i, c in enumerate(make_prompt_cache(model))]
 
 
 # ---- fidelity -------------------------------------------------------------------------------
@@ -148,10 +157,7 @@ def fidelity(model, tok, doc, budget: int, max_tokens: int) -> dict:
     out["ours"] = _nll(model, ours, question + ref, len(ref))
     first = encode_prompt(tok, INSTRUCTION_FIRST + doc.text)  # mlx arms: instruction first, then the document
     out["mlx_full"] = _nll(model, _prefill(model, first[:-1], make_prompt_cache(model)), first[-1:] + ref, len(ref))
-    full_layers = set(full_attention_layers(model))
-    rotating = [RotatingKVCache(max_size=budget, keep=4) if i in full_layers else c
-                for i, c in enumerate(make_prompt_cache(model))]
-    out["mlx_kv"] = _nll(model, _prefill(model, first[:-1], rotating), first[-1:] + ref, len(ref))
+    out["mlx_kv"] = _nll(model, _prefill(model, first[:-1], _rotating(model, budget)), first[-1:] + ref, len(ref))
     none = encode_prompt(tok, QUESTION)
     out["none"] = _nll(model, make_prompt_cache(model), none + ref, len(ref))
     return out
