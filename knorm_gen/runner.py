@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 from . import records as rec
 from .config import EvictionConfig, GenerationConfig, ResolvedEviction, RowsConfig, make_configs, settings_dict
 from .engine import Job, KVLimit, Outcome, run_jobs
-from .generate import answer_questions, generate_with_eviction
+from .generate import generate_with_eviction
 from .mlx_compat import full_attention_layers
 from .memory import KVMemoryExceeded
 from .prompts import PromptTooLongError, check_length, encode_prompt, question_prompts
@@ -141,24 +141,24 @@ class RowRunner:
         settings = None
         try:
             settings = self.settings_for(row.overrides)
+            job = self._job(row, settings)  # encoded once: the memory check and the generation share it
             if self.kv is not None:
-                self.kv.check_alone(self._job(row, settings))
-            return self.result_record(row, settings, self._generate_alone(row, settings))
+                self.kv.check_alone(job)
+            return self.result_record(row, settings, self._alone(job))
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 - one bad row must not stop an overnight run
             return self.failure_record(row, settings, e)
 
-    def _generate_alone(self, row: Row, settings: RowSettings) -> list:
-        kw = dict(eviction=settings.eviction, generation=settings.generation)
-        if row.kind == "questions":
-            return answer_questions(self.model, self.tokenizer, row.context, row.questions,
-                                    batch_size=self.batch_size, **kw)
-        return [generate_with_eviction(self.model, self.tokenizer, row.prompt, **kw)]
-
     def _alone(self, job: Job) -> list:
-        row, settings = job.tag
-        return self._generate_alone(row, settings)
+        """A job's results with nothing else in flight: a prompt on mlx_lm's stream_generate
+        (as generate_with_eviction runs it), a context's questions as answer_questions does."""
+        if job.ids is None:
+            ((_, results),) = run_jobs(self.model, self.tokenizer, [job], batch_size=self.batch_size,
+                                       seed=job.generation.seed)
+            return results
+        return [generate_with_eviction(self.model, self.tokenizer, job.ids, eviction=job.eviction,
+                                       generation=job.generation)]
 
     def _jobs(self, items, done: set, emit: Emit, stop: Callable[[], bool]):
         """The rows that can run, as jobs; the others become records at once, so
