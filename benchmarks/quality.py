@@ -28,6 +28,8 @@ Fidelity (DESIGN.md section 9) runs its own arms, every one with the default's s
   default     EvictionConfig(budget): low norm, the model's default layers whole
   random_same random scores, the default's layers whole
   low_all     low norm in every full-attention layer (skip_layers=())
+  keydiff_all KeyDiff (keep="keydiff": least like the head's running mean key) in every full-attention layer
+  blend_all   keep="blend" (KeyDiff's cosine + 0.5 ln|k|) in every full-attention layer
   random_all  random in every full-attention layer
   recent_all  sinks + most recent in every full-attention layer
   rotating    as above
@@ -60,6 +62,7 @@ import knorm_gen  # noqa: F401  (BLAS preload first)
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from knorm_gen import EvictionConfig, L2NormKVCache, cache_stats, make_eviction_cache
@@ -79,7 +82,11 @@ RESULTS = Path(__file__).parent / "results"
 ARMS = ("full", "skip30", "bounded_x8", "bounded_x4", "paper", "probe", "keep_high", "random", "streaming",
         "rotating", "default")
 DEFAULT_RUN = ARMS[:-1]  # "default" is skip30 or bounded_x8, whichever the library uses: listed once
-FIDELITY_ARMS = ("full", "none", "default", "random_same", "low_all", "random_all", "recent_all", "rotating")
+FIDELITY_ARMS = ("full", "none", "default", "random_same", "low_all", "keydiff_all", "blend_all", "random_all",
+                 "recent_all", "rotating")
+# each arm's random counterpart at equal bytes (the same layers compressed): paired wins are counted against it
+RANDOM_PAIR = {"default": "random_same", "skip30": "random_same", "low_all": "random_all",
+               "keydiff_all": "random_all", "blend_all": "random_all", "recent_all": "random_all"}
 QUICK_FIDELITY_ARMS = ("full", "none", "default", "random_same", "rotating")
 
 
@@ -111,6 +118,8 @@ class Arms:
             "low_all": EvictionConfig(budget=budget, skip_layers=()),
             "random_all": EvictionConfig(budget=budget, keep="random", skip_layers=()),
             "recent_all": EvictionConfig(budget=budget, keep="recent", skip_layers=()),
+            "keydiff_all": EvictionConfig(budget=budget, keep="keydiff", skip_layers=()),
+            "blend_all": EvictionConfig(budget=budget, keep="blend", skip_layers=()),
         }
         return table.get(arm)
 
@@ -362,9 +371,11 @@ def task_summary(model, tok, arms: Arms, n_docs, max_doc_tokens, budgets, arm_na
 FIDELITY_QUESTION = "Summarize the following documentation in three sentences."
 
 
-def _greedy_ids(model, tok, ids: list[int], caches: list, max_tokens: int) -> list[int]:
+def _greedy_ids(model, tok, ids: list[int], caches: list, max_tokens: int, penalty: float = 1.0) -> list[int]:
     eos = set(tok.eos_token_ids)
-    return [r.token for r in stream_generate(model, tok, mx.array(ids), max_tokens=max_tokens, prompt_cache=caches)
+    processors = make_logits_processors(repetition_penalty=penalty) if penalty != 1.0 else None
+    return [r.token for r in stream_generate(model, tok, mx.array(ids), max_tokens=max_tokens, prompt_cache=caches,
+                                             logits_processors=processors)
             if r.token not in eos]
 
 
@@ -391,12 +402,13 @@ def _doc_seed(name: str) -> int:
 
 
 def task_fidelity(model, tok, arms: Arms, docs: list, ratios, arm_names, max_tokens: int, log,
-                  earlier: Optional[dict] = None, on_doc=None, step: int = 512) -> dict:
+                  earlier: Optional[dict] = None, on_doc=None, step: int = 512, penalty: float = 1.0) -> dict:
     """Per document: the full cache's greedy summary (reference ``self``) and the
     human summary where there is one (``human``); then, per arm and ratio (budget =
     context tokens // ratio), the context prefilled through the arm in ``step``-token
     blocks (the product path), the compressed caches pinned, question + reference as one
     block, NLL over the reference's tokens. ``none``: the question alone (chat template).
+    ``penalty``: the reference's repetition penalty (greedy SmolLM2 summaries loop without one).
     ``earlier`` (a results file): its documents join the table and are not run again;
     ``on_doc(table)`` after every document (a checkpoint)."""
     rows = list((earlier or {}).get("rows", []))
@@ -414,7 +426,7 @@ def task_fidelity(model, tok, arms: Arms, docs: list, ratios, arm_names, max_tok
         full = _prefill(model, prefix, arms.caches("full", 0), step)
         prefill_s = time.perf_counter() - tic
         tic = time.perf_counter()
-        refs = {"self": _greedy_ids(model, tok, q_ids, copy_caches(full), max_tokens)}
+        refs = {"self": _greedy_ids(model, tok, q_ids, copy_caches(full), max_tokens, penalty)}
         generate_s = time.perf_counter() - tic
         if doc.summary:
             refs["human"] = tok.encode(doc.summary, add_special_tokens=False)
@@ -470,11 +482,15 @@ def fidelity_table(rows: list, documents: list) -> dict:
         rec = [r["recovered"] for r in sel if r["recovered"] is not None]
         pairs = [(r["nll"], nll[(r["doc"], ratio, ref, "random_same")]) for r in sel
                  if (r["doc"], ratio, ref, "random_same") in nll and arm != "random_same"]
+        twin = RANDOM_PAIR.get(arm)
+        equal = [(r["nll"], nll[(r["doc"], ratio, ref, twin)]) for r in sel if (r["doc"], ratio, ref, twin) in nll]
         docs = [r["doc"] for r in sel]
         summary.append(dict(
             ratio=ratio, reference=ref, arm=arm, docs=len(sel), helped_docs=len(rec),
             recovered_mean=float(np.mean(rec)) if rec else None, recovered_median=float(np.median(rec)) if rec else None,
             wins_vs_random_same=sum(a < b for a, b in pairs) if pairs else None, pairs=len(pairs),
+            random_twin=twin if equal else None, wins_vs_random_twin=sum(a < b for a, b in equal) if equal else None,
+            twin_pairs=len(equal),
             nll=float(np.mean([r["nll"] for r in sel])),
             full_nll=float(np.mean([ends[(d, ref, "full")] for d in docs if (d, ref, "full") in ends])),
             none_nll=float(np.mean([ends[(d, ref, "none")] for d in docs if (d, ref, "none") in ends])),
@@ -523,6 +539,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--pilot", action="store_true",
                     help="fidelity: mark the file as a pilot (a few documents to check the set-up; not the results)")
     ap.add_argument("--fidelity-tokens", type=int, default=112, help="fidelity: tokens of the reference summary at most")
+    ap.add_argument("--fidelity-order", choices=("fixed", "shortest"), default="fixed",
+                    help="fidelity: documents.py's order, or the shortest first (a grid that fits the time)")
+    ap.add_argument("--reference-penalty", type=float, default=1.2,
+                    help="fidelity: repetition penalty of the full cache's reference summary (1 = plain greedy; "
+                         "greedy SmolLM2 summaries loop)")
+    ap.add_argument("--product-arms", default="skip30",
+                    help="passkey: the arms also run through the library's own calls (512-token blocks)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the pass keys (another seed: more cases)")
     ap.add_argument("--add-to", default="",
                     help="an earlier results file whose rows join this run's table: passkey (another seed's cases) "
@@ -566,7 +589,7 @@ def main(argv=None) -> dict:
     def save_partial(task, partial, start):  # a checkpoint: a kill never leaves half a file
         partial.update(meta, task=task, seconds=time.perf_counter() - start)
         if task == "fidelity":
-            partial.update(arms=list(fidelity_arms), pilot=args.pilot)
+            partial.update(arms=list(fidelity_arms), pilot=args.pilot, reference_penalty=args.reference_penalty)
         tmp = out_dir / f".quality_{task}{slug}.json.tmp"
         tmp.write_text(json.dumps(partial, indent=1))
         tmp.replace(out_dir / f"quality_{task}{slug}.json")
@@ -595,14 +618,18 @@ def main(argv=None) -> dict:
                                1 if args.quick else args.cases, ratios, arm_names, log,
                                fixed_budgets=() if args.quick else (512,),
                                fixed_arms=tuple(a for a in CANDIDATES + ("paper",) if a in arm_names),
-                               product_arms=("skip30",), product_ratios=product, full_only=full_only,
+                               product_arms=tuple(a for a in args.product_arms.split(",") if a),
+                               product_ratios=product, full_only=full_only,
                                seed=args.seed, earlier_rows=earlier["rows"], on_case=checkpoint)
             res["seeds"] = seeds
             tic -= earlier_s  # seconds: every joined run together
         elif task == "fidelity":
             earlier = add_to("fidelity")
             earlier_s = earlier.get("seconds", 0.0) if earlier else 0.0
-            docs = documents(tok, limit=2 if args.quick else args.fidelity_docs)
+            limit = 2 if args.quick else args.fidelity_docs
+            docs = documents(tok, limit=None if args.fidelity_order == "shortest" else limit)
+            if args.fidelity_order == "shortest":
+                docs = sorted(docs, key=lambda d: d.tokens)[:limit]
             if args.quick:  # two short documents: the first 384 tokens of each
                 docs = [replace(d, text=tok.decode(tok.encode(d.text, add_special_tokens=False)[:384]), tokens=384)
                         for d in docs]
@@ -611,14 +638,15 @@ def main(argv=None) -> dict:
                     'pip install -e ".[bench]")')
             res = task_fidelity(model, tok, arms, docs, ratios[:1] if args.quick else ratios, fidelity_arms,
                                 24 if args.quick else args.fidelity_tokens, log, earlier=earlier,
-                                on_doc=lambda t, start=tic - earlier_s: save_partial("fidelity", t, start))
+                                on_doc=lambda t, start=tic - earlier_s: save_partial("fidelity", t, start),
+                                penalty=args.reference_penalty)
             tic -= earlier_s  # seconds: every joined run together
         else:
             res = task_summary(model, tok, arms, 1 if args.quick else args.summary_docs, 512 if args.quick else 1024,
                                [128] if args.quick else [256], arm_names, 16 if args.quick else 48, log)
         res.update(meta, task=task, seconds=time.perf_counter() - tic)
         if task == "fidelity":
-            res.update(arms=list(fidelity_arms), pilot=args.pilot)
+            res.update(arms=list(fidelity_arms), pilot=args.pilot, reference_penalty=args.reference_penalty)
         path = out_dir / f"quality_{task}{slug}.json"
         path.write_text(json.dumps(res, indent=1))
         log(f"wrote {path} ({res['seconds']:.0f} s)")

@@ -29,7 +29,8 @@ import mlx.nn as nn
 
 from .config import EvictionConfig, ResolvedEviction, validate_eviction_args
 from .mlx_compat import _BaseCache, create_attention_mask, make_prompt_cache, register_cache_class
-from .scores import PAD, PROTECTED, block_ranks, capacity, evict_key, rank_positions
+from .scores import (ANCHORED, PAD, PROTECTED, anchor_sum, block_ranks, capacity, evict_key, rank_positions,
+                     running_anchor)
 
 
 @register_cache_class  # load_prompt_cache rebuilds caches by class name from mlx_lm's cache module
@@ -41,9 +42,10 @@ class L2NormKVCache(_BaseCache):
     Over budget it keeps the ``budget`` smallest ``(score, position)`` pairs
     among evictable tokens, where score is the key's L2 norm (``keep="low"``),
     its negation (``"high"``), a random draw (``"random"``) or the negated
-    position (``"recent"``). The first ``n_sink`` positions and the last
-    ``recent`` positions are never evicted. Scores are computed once, in
-    float32, when a token is inserted.
+    position (``"recent"``), or the cosine to the head's mean unit key
+    (``"keydiff"``, ``"blend"``: see :mod:`knorm_gen.scores` for the anchor).
+    The first ``n_sink`` positions and the last ``recent`` positions are never
+    evicted. Scores are computed once, in float32, when a token is inserted.
     """
 
     def __init__(self, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
@@ -61,11 +63,18 @@ class L2NormKVCache(_BaseCache):
         self.count = 0  # rows held per (batch row, head)
         self.offset = 0  # absolute positions processed (RoPE needs the true one)
         self.pinned = False
+        # keydiff/blend: the sum of the unit keys of every token seen, (B, H, D) float32
+        self.key_sum: Optional[mx.array] = None
 
     # ---- mlx_lm protocol -------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         n = keys.shape[2]
-        rank = block_ranks(self.keep, self.n_sink, keys, self.offset)
+        anchor = None
+        if self.keep in ANCHORED:
+            part = anchor_sum(keys)
+            self.key_sum = part if self.key_sum is None else self.key_sum + part
+            anchor = running_anchor(self.key_sum, self.offset + n)
+        rank = block_ranks(self.keep, self.n_sink, keys, self.offset, anchor)
         self.offset += n
         if self.pinned or self.count + n <= self.budget:
             self._compact()
@@ -82,16 +91,18 @@ class L2NormKVCache(_BaseCache):
 
     @property
     def state(self):
-        return (
+        state = (
             self.keys, self.values, self.rank, self.free,
             self.count, self.offset, self.budget, self.n_sink, self.recent, self.keep, int(self.pinned),
         )
+        return state if self.key_sum is None else state + (self.key_sum,)
 
     @state.setter
     def state(self, v):
         (self.keys, self.values, self.rank, self.free,
-         self.count, self.offset, self.budget, self.n_sink, self.recent, self.keep, pinned) = v
+         self.count, self.offset, self.budget, self.n_sink, self.recent, self.keep, pinned) = v[:11]
         self.pinned = bool(pinned)
+        self.key_sum = v[11] if len(v) > 11 else None
 
     @property
     def meta_state(self) -> tuple[str, ...]:
@@ -126,6 +137,8 @@ class L2NormKVCache(_BaseCache):
         if not self.is_trimmable():
             return 0
         n = min(self.count, n)
+        if self.key_sum is not None and n:  # nothing was evicted: the trimmed keys are the last ones held
+            self.key_sum = self.key_sum - anchor_sum(self.keys[:, :, self.count - n : self.count])
         self.count -= n
         self.offset -= n
         return n
@@ -293,6 +306,7 @@ class BatchL2NormKVCache(_BaseCache):
         self.free: Optional[mx.array] = None  # (B, H) the hole of each (row, head)
         self._lengths: Optional[list[int]] = None  # prepare(): real tokens per row, padded call
         self._consumed = 0
+        self.key_sum: Optional[mx.array] = None  # keydiff/blend: (B, H, D) sum of each row's unit keys
         self._sync_offset()
 
     # ---- mlx_lm batch protocol -----------------------------------------------
@@ -348,6 +362,8 @@ class BatchL2NormKVCache(_BaseCache):
         if self.keys is not None:
             sel = mx.array(idx, dtype=mx.int32)
             self.keys, self.values, self.rank = self.keys[sel], self.values[sel], self.rank[sel]
+            if self.key_sum is not None:
+                self.key_sum = self.key_sum[sel]
             if self.free is not None:
                 self.free = self.free[sel]
         self.counts = [self.counts[i] for i in idx]
@@ -373,6 +389,8 @@ class BatchL2NormKVCache(_BaseCache):
             self.keys = mx.concatenate([self.keys, other.keys])
             self.values = mx.concatenate([self.values, other.values])
             self.rank = mx.concatenate([self.rank, other.rank])
+            if self.key_sum is not None:
+                self.key_sum = mx.concatenate([self.key_sum, other.key_sum])
         self.counts += other.counts
         self.seen += other.seen
         self.holes += other.holes
@@ -389,6 +407,8 @@ class BatchL2NormKVCache(_BaseCache):
             single.keys = mx.contiguous(self.keys[idx : idx + 1, :, :n])
             single.values = mx.contiguous(self.values[idx : idx + 1, :, :n])
             single.rank = mx.contiguous(self.rank[idx : idx + 1, :, :n])
+        if self.key_sum is not None and self.seen[idx]:
+            single.key_sum = mx.contiguous(self.key_sum[idx : idx + 1])
         return single
 
     @classmethod
@@ -421,6 +441,9 @@ class BatchL2NormKVCache(_BaseCache):
             values.append(mx.pad(v, [(0, 0), (0, 0), (0, pad), (0, 0)]))
             ranks.append(mx.pad(r, [(0, 0), (0, 0), (0, pad)], constant_values=PAD))
         out.keys, out.values, out.rank = (mx.concatenate(x) for x in (keys, values, ranks))
+        if out.key_sum is not None:
+            zero = mx.zeros((1, k0.shape[1], k0.shape[3]), mx.float32)
+            out.key_sum = mx.concatenate([zero if c.key_sum is None else c.key_sum for c in caches])
         return out
 
     @property
@@ -456,6 +479,8 @@ class BatchL2NormKVCache(_BaseCache):
         self.keys = mx.zeros((b, heads, capacity, dk), dtype)
         self.values = mx.zeros((b, heads, capacity, dv), dtype)
         self.rank = mx.full((b, heads, capacity), PAD, dtype=mx.int64)
+        if self.keep in ANCHORED:
+            self.key_sum = mx.zeros((b, heads, dk), mx.float32)
 
     def _grow_to(self, capacity: int) -> None:
         grow = capacity - self.keys.shape[2]
@@ -492,7 +517,11 @@ class BatchL2NormKVCache(_BaseCache):
         need = max((c + 1 for c, hole in zip(self.counts, self.holes) if not hole), default=0)
         if need > self.keys.shape[2]:
             self._grow_to(capacity(need, self.budget, any(self.pinned)))
-        rank = block_ranks(self.keep, self.n_sink, keys, mx.array(self.seen, dtype=mx.int64))
+        anchor = None
+        if self.key_sum is not None:
+            self.key_sum = self.key_sum + anchor_sum(keys)
+            anchor = running_anchor(self.key_sum, [s + 1 for s in self.seen])
+        rank = block_ranks(self.keep, self.n_sink, keys, mx.array(self.seen, dtype=mx.int64), anchor)
         at = slot[..., None, None]
         self.keys = mx.put_along_axis(self.keys, at, keys, axis=2)
         self.values = mx.put_along_axis(self.values, at, values, axis=2)
@@ -525,7 +554,11 @@ class BatchL2NormKVCache(_BaseCache):
         self._compact()
         b, h, n, _ = keys.shape
         width = max(self.counts, default=0)
-        rank = block_ranks(self.keep, self.n_sink, keys, mx.array(self.seen, dtype=mx.int64))
+        anchor = None
+        if self.key_sum is not None:
+            self.key_sum = self.key_sum + anchor_sum(keys, mx.array(real))
+            anchor = running_anchor(self.key_sum, [s + r for s, r in zip(self.seen, real)])
+        rank = block_ranks(self.keep, self.n_sink, keys, mx.array(self.seen, dtype=mx.int64), anchor)
         if any(r < n for r in real):  # right padding: never kept, never counted
             is_pad = mx.arange(n)[None, :] >= mx.array(real)[:, None]
             rank = mx.where(is_pad[:, None, :], PAD, rank)

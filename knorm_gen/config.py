@@ -21,8 +21,9 @@ from .scores import SCORES
 
 KEEP_MODES = tuple(SCORES)
 """Ranking rules, one per entry of :data:`knorm_gen.scores.SCORES`. ``low`` is the
-paper's; ``high`` its ablation; ``random`` and ``recent`` (StreamingLLM: sinks +
-most recent) are baselines."""
+paper's; ``high`` its ablation; ``keydiff`` (arXiv:2504.15364) keeps the keys least
+like the head's mean direction; ``blend`` adds the paper's log norm to KeyDiff's
+cosine; ``random`` and ``recent`` (StreamingLLM: sinks + most recent) are baselines."""
 
 EARLY_FRACTION = 0.3
 """The share of leading layers the default leaves uncompressed. On the embedded
@@ -213,7 +214,8 @@ class EvictionConfig:
                                      parse=parse_budget, metavar="INT|none")
     n_sink: int = _setting(4, "Leading tokens never evicted.")
     recent: Optional[int] = _setting(None, "Most recent tokens never evicted.", default_text="budget // 8")
-    keep: str = _setting("low", "low = keep low key norms (the paper); high = ablation; random/recent = baselines.",
+    keep: str = _setting("low", "low = keep low key norms (the paper); keydiff = keep keys least like the head's "
+                         "mean (coverage); blend = both; high = ablation; random/recent = baselines.",
                          choices=KEEP_MODES)
     skip_layers: Optional[tuple[int, ...]] = _setting(
         None, "Layers left uncompressed (their memory grows with the input), e.g. '0,1' or '0-8'; 'none' "

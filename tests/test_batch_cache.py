@@ -12,10 +12,11 @@ from mlx_lm.models.cache import KVCache
 from knorm_gen import L2NormKVCache
 from knorm_gen.cache import BatchL2NormKVCache
 from knorm_gen.mlx_compat import own_layer_masks
-from knorm_gen.scores import PAD
+from knorm_gen.scores import ANCHORED, PAD
 
 from .conftest import tiny_llama
 from .test_cache import distinct_norm_keys, kept_positions
+from .test_scores import numpy_running_kept
 
 HEADS, DIM = 2, 8
 
@@ -57,6 +58,7 @@ class Feeder:
         self.keys = [distinct_norm_keys(t, rng, heads=HEADS, dim=DIM) for t in lengths]
         self.values = [rng.normal(size=k.shape).astype(np.float32) for k in self.keys]
         self.fed = [0] * len(lengths)
+        self.splits = [[] for _ in lengths]
         self.singles = [L2NormKVCache(*self.settings) for _ in lengths]
         self.batch = L2NormKVCache.merge(self.singles_empty(len(lengths)))
 
@@ -92,6 +94,7 @@ class Feeder:
             want = attend(q[b : b + 1, :, :size], sk, sv, causal)
             np.testing.assert_allclose(got[b : b + 1, :, :size], want, rtol=1e-5, atol=1e-5)
             self.fed[b] += size
+            self.splits[b].append(size)
 
     def check(self):
         budget, n_sink, recent, keep = self.settings
@@ -100,12 +103,17 @@ class Feeder:
             assert row.offset == self.fed[b] == self.batch.seen[b]
             got = kept_positions(row)
             np.testing.assert_array_equal(got, kept_positions(self.singles[b]))
-            assert [list(g) for g in got[0]] == numpy_kept(self.keys[b][:, :, : self.fed[b]], *self.settings)
+            if keep in ANCHORED:
+                want = numpy_running_kept(self.keys[b][:, :, : self.fed[b]], self.splits[b], *self.settings)
+            else:
+                want = numpy_kept(self.keys[b][:, :, : self.fed[b]], *self.settings)
+            assert [list(g) for g in got[0]] == want
             assert got.max(initial=-1) < self.fed[b]  # padding is never kept
         assert [int(x) for x in np.array(self.batch.offset)] == self.fed
 
 
-SETTINGS = [(12, 3, 0, "low"), (12, 0, 2, "low"), (10, 2, 3, "high"), (9, 4, 2, "recent"), (16, 4, 2, "low")]
+SETTINGS = [(12, 3, 0, "low"), (12, 0, 2, "low"), (10, 2, 3, "high"), (9, 4, 2, "recent"), (16, 4, 2, "low"),
+            (12, 3, 2, "keydiff"), (10, 2, 1, "blend")]
 
 
 @pytest.mark.parametrize("budget,n_sink,recent,keep", SETTINGS)
@@ -124,16 +132,17 @@ def test_each_row_keeps_what_it_keeps_alone(budget, n_sink, recent, keep, seed):
         f.check()
 
 
-def test_rows_leave_and_join_mid_run():
+@pytest.mark.parametrize("keep", ["low", "keydiff"])
+def test_rows_leave_and_join_mid_run(keep):
     rng = np.random.default_rng(5)
-    settings = (10, 2, 2, "low")
+    settings = (10, 2, 2, keep)
     f = Feeder([30, 8, 44], *settings, rng)
     f.chunk([20, 6, 30])
     f.chunk([1, 1, 1])
     f.chunk([1, 1, 1])  # now every over-budget row holds a decode hole
     # row 1 finishes: filter it out, as mlx_lm does
     f.batch.filter([0, 2])
-    for name in ("keys", "values", "fed", "singles"):
+    for name in ("keys", "values", "fed", "splits", "singles"):
         items = getattr(f, name)
         setattr(f, name, [items[0], items[2]])
     f.check()
@@ -141,7 +150,7 @@ def test_rows_leave_and_join_mid_run():
     g = Feeder([25], *settings, rng)
     g.chunk([20])
     f.batch.extend(g.batch)
-    for name in ("keys", "values", "fed", "singles"):
+    for name in ("keys", "values", "fed", "splits", "singles"):
         setattr(f, name, getattr(f, name) + getattr(g, name))
     for _ in range(3):
         f.chunk([1, 1, 1])
@@ -150,9 +159,10 @@ def test_rows_leave_and_join_mid_run():
     f.check()
 
 
-def test_merge_of_used_single_caches_and_deepcopy():
+@pytest.mark.parametrize("keep", ["low", "blend"])
+def test_merge_of_used_single_caches_and_deepcopy(keep):
     rng = np.random.default_rng(9)
-    settings = (8, 2, 1, "low")
+    settings = (8, 2, 1, keep)
     singles, keys = [], []
     for t, splits in ((20, [15, 1, 1, 1, 1, 1]), (5, [5]), (0, [])):
         k = distinct_norm_keys(max(t, 1), rng, heads=HEADS, dim=DIM)[:, :, :t]

@@ -277,15 +277,19 @@ def test_offset_and_rope_positions_never_change():
                 np.testing.assert_array_equal(keys[0, hi], all_keys[0, hi, pos[0, hi]])
 
 
-def test_save_load_round_trip_continues_identically(tmp_path, tiny_model):
+@pytest.mark.parametrize("keep", ["low", "keydiff"])
+def test_save_load_round_trip_continues_identically(tmp_path, tiny_model, keep):
     tokens = random_tokens(40, seed=2)
-    caches = make_eviction_cache(tiny_model, EvictionConfig(budget=10, skip_layers=(0,)))
+    caches = make_eviction_cache(tiny_model, EvictionConfig(budget=10, skip_layers=(0,), keep=keep))
     feed(tiny_model, caches, tokens[:35], [20, 15])
     feed(tiny_model, caches, tokens[35:], [1] * 5)  # leaves evicted slots in place
     path = str(tmp_path / "cache.safetensors")
     save_prompt_cache(path, caches)
     loaded = load_prompt_cache(path)
     assert [type(c).__name__ for c in loaded] == [type(c).__name__ for c in caches]
+    for c, l in zip(caches, loaded):
+        if keep == "keydiff" and isinstance(c, L2NormKVCache):  # the anchor travels with the cache
+            np.testing.assert_array_equal(np.array(l.key_sum), np.array(c.key_sum))
     for step in [4, 9, 1, 7]:
         x = mx.array([[step]])
         a, b = tiny_model(x, cache=caches), tiny_model(x, cache=loaded)

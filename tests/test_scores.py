@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from knorm_gen import L2NormKVCache
-from knorm_gen.scores import SCORES, pack_ranks, rank_positions
+from knorm_gen.scores import ANCHORED, BLEND_WEIGHT, SCORES, pack_ranks, rank_positions
 
 from .test_cache import distinct_norm_keys, feed_keys, kept_positions
 
@@ -20,8 +20,10 @@ def test_kept_set_is_the_rule_ranking(keep, seed):
     # (score, position) with sinks and the recent window protected.
     keys = distinct_norm_keys(T, np.random.default_rng(seed), heads=2)
     positions = mx.arange(T)[None, None]
+    unit = keys / np.linalg.norm(keys, axis=-1, keepdims=True)
+    anchor = mx.array(unit.mean(axis=2, keepdims=True))  # one block: the mean of all its unit keys
     mx.random.seed(seed)
-    scores = np.array(SCORES[keep](mx.array(keys), positions))
+    scores = np.array(SCORES[keep](mx.array(keys), positions, anchor))
     mx.random.seed(seed)
     cache = L2NormKVCache(BUDGET, N_SINK, RECENT, keep)
     feed_keys(cache, keys, [T])
@@ -44,7 +46,7 @@ def test_every_rule_keeps_budget_and_protects(keep):
         assert set(range(N_SINK)) | set(range(T - RECENT, T)) <= set(got[0, h])
 
 
-@pytest.mark.parametrize("keep", [k for k in SCORES if k != "random"])
+@pytest.mark.parametrize("keep", [k for k in SCORES if k != "random" and k not in ANCHORED])
 def test_deterministic_rules_are_path_independent(keep):
     keys = distinct_norm_keys(T, np.random.default_rng(11), heads=2)
     kept = []
@@ -66,3 +68,62 @@ def test_rank_packing_orders_like_the_floats():
     by_float = sorted(range(len(scores)), key=lambda i: (float(scores[i]) if scores[i] != 0 else 0.0, pos[i]))
     assert [float(scores[i]) for i in by_rank] == [float(scores[i]) for i in by_float]
     np.testing.assert_array_equal(np.array(rank_positions(mx.array(ranks))), pos)
+
+
+def numpy_anchored_score(keep, keys, anchor):
+    """float64 reference of the anchored rules: keys (H, N, D), anchor (H, D)."""
+    norm = np.linalg.norm(keys, axis=-1)
+    cos = np.einsum("hnd,hd->hn", keys / norm[..., None], anchor / np.linalg.norm(anchor, axis=-1, keepdims=True))
+    return cos if keep == "keydiff" else cos + BLEND_WEIGHT * np.log(norm)
+
+
+def numpy_running_kept(keys, splits, budget, n_sink, recent, keep):
+    """Kept positions per head of one row fed in ``splits``, with the anchor the mean
+    unit key of everything seen up to and including each block (attend first, evict
+    after: over budget, the ``budget`` best of held + new by (protected, score, position))."""
+    keys = keys[0].astype(np.float64)
+    heads, dim = keys.shape[0], keys.shape[2]
+    total, seen, held = np.zeros((heads, dim)), 0, [[] for _ in range(heads)]
+    for size in splits:
+        block = keys[:, seen : seen + size]
+        total += (block / np.linalg.norm(block, axis=-1, keepdims=True)).sum(axis=1)
+        scores = numpy_anchored_score(keep, block, total / (seen + size))
+        seen += size
+        for h in range(heads):
+            held[h] += [(scores[h, i], seen - size + i) for i in range(size)]
+            if len(held[h]) > budget:
+                held[h].sort(key=lambda sp: (0, sp[1]) if sp[1] < n_sink or sp[1] >= seen - recent else (1, *sp))
+                held[h] = held[h][:budget]
+    return [sorted(p for _, p in h) for h in held]
+
+
+@pytest.mark.parametrize("keep", sorted(ANCHORED))
+@pytest.mark.parametrize("splits", [[T], [1] * T, [5, 17, 1, 1, 24], [20, 1, 1, 1, 25]])
+def test_anchored_rules_follow_a_running_mean_reference(keep, splits):
+    keys = distinct_norm_keys(T, np.random.default_rng(13), heads=2)
+    cache = L2NormKVCache(BUDGET, N_SINK, RECENT, keep)
+    feed_keys(cache, keys, splits)
+    got = kept_positions(cache)
+    assert [list(g) for g in got[0]] == numpy_running_kept(keys, splits, BUDGET, N_SINK, RECENT, keep)
+
+
+@pytest.mark.parametrize("keep", sorted(ANCHORED))
+def test_anchored_rules_depend_on_the_block_size(keep):
+    # The control that makes the reference above able to fail: scored against the
+    # anchor of their own time, the same keys are kept differently in other blocks.
+    keys = distinct_norm_keys(T, np.random.default_rng(13), heads=2)
+    kept = [numpy_running_kept(keys, s, BUDGET, N_SINK, RECENT, keep) for s in ([T], [1] * T)]
+    assert kept[0] != kept[1]
+
+
+def test_keydiff_keeps_the_outliers_of_a_cluster():
+    # 40 keys near one direction, 6 pointing elsewhere: KeyDiff keeps the 6, whatever their norms.
+    rng = np.random.default_rng(2)
+    base = np.tile(np.eye(8)[0], (40, 1)) + 0.05 * rng.normal(size=(40, 8))
+    odd = rng.normal(size=(6, 8)) * 3.0
+    odd[:, 0] = -np.abs(odd[:, 0])
+    order = rng.permutation(46)
+    keys = np.concatenate([base, odd])[order][None, None].astype(np.float32)
+    cache = L2NormKVCache(6, 0, 0, "keydiff")
+    feed_keys(cache, keys, [46])
+    assert sorted(kept_positions(cache)[0, 0]) == sorted(np.flatnonzero(order >= 40))
