@@ -379,6 +379,19 @@ def _greedy_ids(model, tok, ids: list[int], caches: list, max_tokens: int, penal
             if r.token not in eos]
 
 
+def cut_repetition(ids: list[int], n: int = 8) -> list[int]:
+    """``ids`` up to the first ``n``-gram that already occurred: a greedy summary that
+    loops is scored only up to its loop (a loop is easy to predict from its own first
+    copy, document or not, which would flatter every arm)."""
+    seen = set()
+    for i in range(len(ids) - n + 1):
+        gram = tuple(ids[i : i + n])
+        if gram in seen:
+            return ids[:i]
+        seen.add(gram)
+    return ids
+
+
 def _pinned_copy(caches: list) -> list:
     out = copy_caches(caches)
     for c in out:
@@ -408,7 +421,8 @@ def task_fidelity(model, tok, arms: Arms, docs: list, ratios, arm_names, max_tok
     context tokens // ratio), the context prefilled through the arm in ``step``-token
     blocks (the product path), the compressed caches pinned, question + reference as one
     block, NLL over the reference's tokens. ``none``: the question alone (chat template).
-    ``penalty``: the reference's repetition penalty (greedy SmolLM2 summaries loop without one).
+    ``penalty``: the reference's repetition penalty (greedy SmolLM2 summaries loop without one);
+    the reference is cut at its first repeated 8-gram (:func:`cut_repetition`).
     ``earlier`` (a results file): its documents join the table and are not run again;
     ``on_doc(table)`` after every document (a checkpoint)."""
     rows = list((earlier or {}).get("rows", []))
@@ -426,7 +440,7 @@ def task_fidelity(model, tok, arms: Arms, docs: list, ratios, arm_names, max_tok
         full = _prefill(model, prefix, arms.caches("full", 0), step)
         prefill_s = time.perf_counter() - tic
         tic = time.perf_counter()
-        refs = {"self": _greedy_ids(model, tok, q_ids, copy_caches(full), max_tokens, penalty)}
+        refs = {"self": cut_repetition(_greedy_ids(model, tok, q_ids, copy_caches(full), max_tokens, penalty))}
         generate_s = time.perf_counter() - tic
         if doc.summary:
             refs["human"] = tok.encode(doc.summary, add_special_tokens=False)

@@ -28,17 +28,28 @@ def _arms(present) -> list[str]:
 
 
 def speed_table(res: dict) -> str:
-    lines = ["| context | arm | prefill tok/s | decode tok/s | peak GB | KV held MiB |", "|---|---|---|---|---|---|"]
+    lines = ["| context | arm | prefill tok/s | decode tok/s | prefill vs full | decode vs full | peak GB | KV held MiB |",
+             "|---|---|---|---|---|---|---|---|"]
     for ctx in res["contexts"]:
         for arm, r in ctx["arms"].items():
+            vs = lambda kind, arm=arm: (f"{ctx['ratios'][f'{arm}_vs_full_{kind}']:.2f}x"  # noqa: E731
+                                        if f"{arm}_vs_full_{kind}" in ctx["ratios"] else "")
             lines.append(f"| {ctx['context']} | {arm} | {r['prefill_tps']:.1f} | {r['decode_tps']:.2f} | "
-                         f"{r['peak_memory_gb']:.3f} | {r['kv_kept_bytes'] / 2**20:.1f} |")
-    names = sorted({k for ctx in res["contexts"] for k in ctx["ratios"]})
-    lines += ["", "| context | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for ctx in res["contexts"]:
-        cells = [f"{100 * ctx['ratios'][n]:.2f}%" if n.endswith("share_of_prefill") else f"{ctx['ratios'][n]:.2f}"
-                 for n in names]
-        lines.append(f"| {ctx['context']} | " + " | ".join(cells) + " |")
+                         f"{vs('prefill')} | {vs('decode')} | {r['peak_memory_gb']:.3f} | "
+                         f"{r['kv_kept_bytes'] / 2**20:.1f} |")
+    shares = [f"{ctx['context']}: {100 * ctx['ratios']['eviction_share_of_prefill']:.2f}%" for ctx in res["contexts"]
+              if "eviction_share_of_prefill" in ctx["ratios"]]
+    if shares:
+        lines += ["", "Eviction's share of the keep-low prefill (selection timed alone): " + ", ".join(shares) + "."]
+    if res.get("default_prefill_vs_shortest"):
+        lines += ["", "The default's prefill tokens/s against its rate at the shortest context: "
+                  + ", ".join(f"{c} tokens {v:.2f}x" for c, v in res["default_prefill_vs_shortest"].items()) + "."]
+    if res.get("rule_cost"):
+        lines += ["", "| rule | µs per 512-token block (one layer) | vs low | µs per decode step (one layer) | vs low |",
+                  "|---|---|---|---|---|"]
+        for keep, c in res["rule_cost"].items():
+            lines.append(f"| {keep} | {c['block_us']:.0f} | {c['block_vs_low']:.2f}x | {c['decode_us']:.0f} | "
+                         f"{c['decode_vs_low']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -156,7 +167,8 @@ def summary_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-FIDELITY_ORDER = ("default", "random_same", "low_all", "random_all", "recent_all", "rotating")
+FIDELITY_ORDER = ("default", "keydiff_all", "blend_all", "low_all", "random_all", "skip30", "paper", "random_same",
+                  "recent_all", "rotating")
 
 
 def fidelity_table(res: dict) -> str:
@@ -178,12 +190,18 @@ def fidelity_table(res: dict) -> str:
             if not c:
                 row.append("")
                 continue
-            wins = "" if c["wins_vs_random_same"] is None else f", {c['wins_vs_random_same']}/{c['pairs']} wins"
+            if c.get("wins_vs_random_twin") is not None:
+                wins = f", {c['wins_vs_random_twin']}/{c['twin_pairs']} vs {c['random_twin']}"
+            elif c["wins_vs_random_same"] is not None:
+                wins = f", {c['wins_vs_random_same']}/{c['pairs']} vs random_same"
+            else:
+                wins = ""
             row.append(f"{pct(c['recovered_mean'])} ({pct(c['recovered_median'])}{wins}; {c['compression']:.2f}x)")
         lines.append(f"| {ratio}x | {ref} | {any_cell['docs']} | {any_cell['full_nll']:.3f} / {any_cell['none_nll']:.3f} | "
                      + " | ".join(row) + " |")
     n = len(res["documents"])
-    lines += ["", f"Each cell: mean recovered share (median, documents where the arm's NLL is below random_same's; "
+    lines += ["", f"Each cell: mean recovered share (median, documents where the arm's NLL is below that of the "
+              f"random arm holding the same layers at the same budget, i.e. equal bytes; "
               f"byte compression over all layers). recovered = (nll_none - nll_arm) / (nll_none - nll_full), over the "
               f"documents where the document lowers the NLL. {n} document{'s' if n != 1 else ''}; reference `self`: "
               "the full cache's greedy summary, `human`: the package's own one-line summary."]
@@ -312,6 +330,7 @@ def main(argv=None) -> str:
     d = Path(ap.parse_args(argv).results_dir)
     parts = []
     sections = [("Speed and memory", "cache_speed.json", speed_table),
+                ("Speed and memory, Gemma 3 270M", "cache_speed_gemma-3-270m.json", speed_table),
                 ("Batched generation", "batch.json", batch_table),
                 ("More than one process", "distributed.json", distributed_table),
                 ("Runtime (BLAS and float32)", "runtime.json", runtime_table)]

@@ -30,7 +30,7 @@ import mlx.nn as nn
 from .config import EvictionConfig, ResolvedEviction, validate_eviction_args
 from .mlx_compat import _BaseCache, create_attention_mask, make_prompt_cache, register_cache_class
 from .scores import (ANCHORED, PAD, PROTECTED, anchor_sum, block_ranks, capacity, evict_key, rank_positions,
-                     running_anchor)
+                     rescore, running_anchor)
 
 
 @register_cache_class  # load_prompt_cache rebuilds caches by class name from mlx_lm's cache module
@@ -74,6 +74,11 @@ class L2NormKVCache(_BaseCache):
             part = anchor_sum(keys)
             self.key_sum = part if self.key_sum is None else self.key_sum + part
             anchor = running_anchor(self.key_sum, self.offset + n)
+            if n > 1 and self.keys is not None and self.count:  # one anchor for every score a block compares
+                self._compact()
+                held = self.rank[:, :, : self.count]
+                self.rank[:, :, : self.count] = rescore(self.keep, self.n_sink, self.keys[:, :, : self.count],
+                                                        held, anchor)
         rank = block_ranks(self.keep, self.n_sink, keys, self.offset, anchor)
         self.offset += n
         if self.pinned or self.count + n <= self.budget:
@@ -558,6 +563,10 @@ class BatchL2NormKVCache(_BaseCache):
         if self.key_sum is not None:
             self.key_sum = self.key_sum + anchor_sum(keys, mx.array(real))
             anchor = running_anchor(self.key_sum, [s + r for s, r in zip(self.seen, real)])
+            if width and any(r > 1 for r in real):  # as a row alone: held keys re-scored when >1 token arrives
+                held = self.rank[:, :, :width]
+                again = rescore(self.keep, self.n_sink, self.keys[:, :, :width], held, anchor)
+                self.rank[:, :, :width] = mx.where(mx.array([r > 1 for r in real])[:, None, None], again, held)
         rank = block_ranks(self.keep, self.n_sink, keys, mx.array(self.seen, dtype=mx.int64), anchor)
         if any(r < n for r in real):  # right padding: never kept, never counted
             is_pad = mx.arange(n)[None, :] >= mx.array(real)[:, None]

@@ -28,6 +28,7 @@ from .config import (
     EvictionConfig,
     GenerationConfig,
     RowsConfig,
+    PRESETS,
     make_configs,
     parse_size,
 )
@@ -43,7 +44,8 @@ from .job import (
 )
 
 RUN_KEYS = ("input", "output", "model", "batch_size", "stats_log", "summary_json", "limit", "max_kv_memory")
-JOB_KEYS = {None: RUN_KEYS, "eviction": EVICTION_FIELDS, "generation": GENERATION_FIELDS, "rows": ROWS_FIELDS}
+JOB_KEYS = {None: RUN_KEYS, "eviction": EVICTION_FIELDS + ("preset",), "generation": GENERATION_FIELDS,
+            "rows": ROWS_FIELDS}
 JOB_PATHS = ("input", "output", "stats_log", "summary_json")
 CONFIG_FIELDS = {f.name: f for f in (*fields(EvictionConfig), *fields(GenerationConfig))}
 ROW_SHAPE_FIELDS = {f.name: f for f in fields(RowsConfig)}
@@ -182,7 +184,7 @@ def load_job(path: str) -> dict:
 
 def build_configs(settings: dict) -> tuple[EvictionConfig, GenerationConfig]:
     """The two configs from flat settings (missing fields take their defaults)."""
-    return make_configs(**{k: v for k, v in settings.items() if k in CONFIG_FIELDS})
+    return make_configs(preset=settings.get("preset"), **{k: v for k, v in settings.items() if k in CONFIG_FIELDS})
 
 
 def rows_config(settings: dict) -> RowsConfig:
@@ -227,6 +229,10 @@ def _settings(ctx: click.Context, input_path: Optional[str], job_file: Optional[
 @click.option("--model", default=BatchOptions.model, show_default=True,
               help="'default' (embedded SmolLM2-135M), a .gguf file, or an mlx_lm model path/id.")
 @config_options
+@click.option("--preset", type=click.Choice(tuple(PRESETS)), default=None,
+              help="A named eviction layout; the eviction options given beside it override it. paper: keep-low, "
+                   "layers 0-1 uncompressed (the paper); retrieval: keep-low, the first 30% of the full-attention "
+                   "layers uncompressed (pass keys; memory grows with the input); summarize: KeyDiff in every layer.")
 @click.option("--batch-size", type=int, default=BatchOptions.batch_size, show_default=True,
               help="Rows decoded together (1 = one row at a time, records in input order).")
 @click.option("--stats-log", type=click.Path(dir_okay=False), help="Write per-row stats (no texts) as JSONL.")

@@ -490,18 +490,36 @@ DEFAULT_PREFILL_STEP = GenerationConfig.prefill_step_size
 DEFAULT_QUESTION_SEPARATOR = GenerationConfig.question_separator
 
 
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper": dict(keep="low", skip_layers=(0, 1), early_factor=None, layer_budgets=None),
+    "retrieval": dict(keep="low", skip_layers=None, early_factor=None, layer_budgets=None),
+    "summarize": dict(keep="keydiff", skip_layers=(), early_factor=None, layer_budgets=None),
+}
+"""Named eviction layouts (``--preset``, ``preset=``); the fields given beside a
+preset override it. ``paper``: the paper's rule and layers (keep-low, layers 0-1
+uncompressed, so their memory grows with the input). ``retrieval``: keep-low with
+the first 30% of the full-attention layers uncompressed (the default before 0.3:
+the best at pass keys on the embedded model, memory grows with the input).
+``summarize``: KeyDiff in every layer, every layer bounded (README, Results)."""
+
+
 def make_configs(eviction: Optional[EvictionConfig] = None, generation: Optional[GenerationConfig] = None,
-                 **settings: Any) -> tuple[EvictionConfig, GenerationConfig]:
+                 *, preset: Optional[str] = None, **settings: Any) -> tuple[EvictionConfig, GenerationConfig]:
     """``(eviction, generation)`` from optional configs plus keyword fields of
     either (``budget=64, max_tokens=48``), which override the configs' values.
-    An unknown keyword is a TypeError that lists the allowed ones. The only
-    builder: the Python API, the command line, job files and per-row overrides
-    all go through it."""
+    ``preset`` (a name of :data:`PRESETS`) sets the eviction layout first; the
+    keyword fields override it. An unknown keyword is a TypeError that lists the
+    allowed ones. The only builder: the Python API, the command line, job files
+    and per-row overrides all go through it."""
     unknown = set(settings) - set(EVICTION_FIELDS) - set(GENERATION_FIELDS)
     if unknown:
         raise TypeError(f"unknown setting(s) {', '.join(sorted(unknown))}; allowed: "
-                        f"{', '.join(EVICTION_FIELDS + GENERATION_FIELDS)}")
+                        f"{', '.join(EVICTION_FIELDS + GENERATION_FIELDS + ('preset',))}")
     eviction = eviction or EvictionConfig()
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"preset must be one of {', '.join(PRESETS)}; got {preset!r}")
+        eviction = replace(eviction, **PRESETS[preset])
     generation = generation or GenerationConfig()
     ev = {k: v for k, v in settings.items() if k in EVICTION_FIELDS}
     if ev:

@@ -29,7 +29,7 @@ def resolve_settings(model: Any, eviction: Eviction, generation: Optional[Genera
     """The configs a call runs with: keyword fields over the configs, the eviction
     settings resolved for ``model`` (a :class:`ResolvedEviction` is taken as it is
     unless a keyword changes it)."""
-    if isinstance(eviction, ResolvedEviction) and not set(settings) & set(EvictionConfig.__dataclass_fields__):
+    if isinstance(eviction, ResolvedEviction) and not set(settings) & {*EvictionConfig.__dataclass_fields__, "preset"}:
         _, generation = make_configs(None, generation, **settings)
         return eviction, generation
     if isinstance(eviction, ResolvedEviction):

@@ -8,16 +8,20 @@ function and one table entry, and the parametrised tests in
 ``tests/test_scores.py`` cover it the day it is added.
 
 The anchor is what KeyDiff (arXiv:2504.15364) compares a key with: the mean
-unit-length key of the (row, head). Scores are computed once, when a token is
-inserted, so the anchor is kept as cache state: a running sum of the unit keys
-of every token the row has seen (evicted ones included), divided by their
-count after the block is added. A token is scored against the mean of
-everything up to and including its own block: a whole document prefilled in
-one block is scored against the document's mean (KeyDiff's own setting); in
-512-token blocks early tokens are scored against fewer keys, so the anchored
-rules depend on the block size (the others do not). Only the rules in
-:data:`ANCHORED` pay for it (one normalise and one sum per block); the others
-get ``anchor=None``.
+unit-length key of the (row, head), kept as cache state: a running sum of the
+unit keys of every token the row has seen (evicted ones included), divided by
+their count. Every block of more than one token first re-scores the keys held
+against the anchor that includes the block, then scores the block against it,
+so one selection never compares scores made against different anchors. (Scored
+only at insertion, the first 512-token block of a pass-key prompt on Gemma 3
+was scored against its own mean, which shares its positions' RoPE phase, and
+lost its needle where a one-block prefill kept it.) A decode token is scored
+against the running anchor when it arrives. A whole document prefilled in one
+block is scored against the document's mean (KeyDiff's own setting); in blocks,
+tokens evicted early were judged against fewer keys, so the anchored rules
+depend on the block size (the others do not). Only the rules in
+:data:`ANCHORED` pay for it (a normalise and a sum per block, and the held keys
+re-scored); the others get ``anchor=None``.
 """
 
 from __future__ import annotations
@@ -149,6 +153,14 @@ def block_ranks(keep: str, n_sink: int, keys: mx.array, start: mx.array | int,
     first = mx.array(start, dtype=mx.int64).reshape(-1, 1, 1)
     positions = first + mx.arange(keys.shape[2], dtype=mx.int64)[None, None, :]
     return pack_ranks(SCORES[keep](keys, positions, anchor), positions, n_sink)
+
+
+def rescore(keep: str, n_sink: int, keys: mx.array, rank: mx.array, anchor: mx.array) -> mx.array:
+    """Ranks of held ``keys`` (their positions packed in ``rank``) scored again
+    against ``anchor``; PAD slots stay PAD."""
+    positions = mx.bitwise_and(rank, _POS_MASK)
+    new = pack_ranks(SCORES[keep](keys, positions, anchor), positions, n_sink)
+    return mx.where(rank == PAD, rank, new)
 
 
 def rank_positions(rank: mx.array) -> mx.array:

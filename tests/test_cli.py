@@ -355,3 +355,31 @@ def _toml(value):
     if isinstance(value, dict):
         return "{ " + ", ".join(f'"{k}" = {v}' for k, v in value.items()) + " }"
     return json.dumps(value)
+
+
+def test_a_preset_sets_the_layout_and_explicit_options_override_it(tmp_path, tiny_model_dir):
+    # tiny_model_dir: 4 layers, so 'retrieval' skips the first 30% (at least two): 0, 1
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": "a", "prompt": "Hello there, how are you today?"}\n')
+    runs = {"paper": (["--preset", "paper"], "low", [0, 1]),
+            "retrieval": (["--preset", "retrieval"], "low", [0, 1]),
+            "summarize": (["--preset", "summarize"], "keydiff", []),
+            "override": (["--preset", "paper", "--keep", "random", "--skip-layers", "3"], "random", [3])}
+    for name, (args, keep, skip) in runs.items():
+        out = tmp_path / f"{name}.jsonl"
+        result = invoke(inp, "-o", out, "--model", tiny_model_dir, "--budget", "16", "--max-tokens", "2", "-q", *args)
+        assert result.exit_code == 0, (name, result.stderr)
+        (record,) = records(out)
+        assert (record["config"]["keep"], record["config"]["skip_layers"]) == (keep, skip), name
+    job = tmp_path / "job.toml"
+    job.write_text(f'model = {json.dumps(str(tiny_model_dir))}\n[eviction]\npreset = "paper"\nbudget = 16\n'
+                   '[generation]\nmax_tokens = 2\n')
+    out = tmp_path / "job.jsonl"
+    assert invoke(inp, "-o", out, "--job", job, "-q").exit_code == 0
+    (record,) = records(out)
+    assert (record["config"]["keep"], record["config"]["skip_layers"]) == ("low", [0, 1])
+    job.write_text('[eviction]\npreset = "fast"\n')
+    result = invoke(inp, "--job", job)
+    assert result.exit_code == 2 and "preset must be one of paper, retrieval, summarize; got 'fast'" in result.stderr
+    result = invoke(inp, "--preset", "fast")
+    assert result.exit_code == 2 and "'fast' is not one of" in result.stderr

@@ -79,7 +79,8 @@ def numpy_anchored_score(keep, keys, anchor):
 
 def numpy_running_kept(keys, splits, budget, n_sink, recent, keep):
     """Kept positions per head of one row fed in ``splits``, with the anchor the mean
-    unit key of everything seen up to and including each block (attend first, evict
+    unit key of everything seen up to and including each block; a block of more than
+    one token first re-scores the held keys against that anchor (attend first, evict
     after: over budget, the ``budget`` best of held + new by (protected, score, position))."""
     keys = keys[0].astype(np.float64)
     heads, dim = keys.shape[0], keys.shape[2]
@@ -87,9 +88,14 @@ def numpy_running_kept(keys, splits, budget, n_sink, recent, keep):
     for size in splits:
         block = keys[:, seen : seen + size]
         total += (block / np.linalg.norm(block, axis=-1, keepdims=True)).sum(axis=1)
-        scores = numpy_anchored_score(keep, block, total / (seen + size))
+        anchor = total / (seen + size)
+        scores = numpy_anchored_score(keep, block, anchor)
         seen += size
         for h in range(heads):
+            if size > 1 and held[h]:
+                pos = [p for _, p in held[h]]
+                again = numpy_anchored_score(keep, keys[h : h + 1, pos], anchor[h : h + 1])[0]
+                held[h] = list(zip(again, pos))
             held[h] += [(scores[h, i], seen - size + i) for i in range(size)]
             if len(held[h]) > budget:
                 held[h].sort(key=lambda sp: (0, sp[1]) if sp[1] < n_sink or sp[1] >= seen - recent else (1, *sp))
@@ -127,3 +133,19 @@ def test_keydiff_keeps_the_outliers_of_a_cluster():
     cache = L2NormKVCache(6, 0, 0, "keydiff")
     feed_keys(cache, keys, [46])
     assert sorted(kept_positions(cache)[0, 0]) == sorted(np.flatnonzero(order >= 40))
+
+
+def test_presets_are_layouts_the_fields_override():
+    from knorm_gen.config import PRESETS, EvictionConfig, make_configs
+
+    paper, _ = make_configs(preset="paper", budget=64)
+    assert (paper.keep, paper.skip_layers, paper.budget) == ("low", (0, 1), 64)
+    assert paper.resolved(30).skip_layers == (0, 1)
+    retrieval, _ = make_configs(preset="retrieval")
+    assert retrieval.resolved(30).skip_layers == tuple(range(9))  # the first 30% of 30 layers
+    mixed, _ = make_configs(EvictionConfig(early_factor=4), preset="summarize", keep="blend")
+    assert (mixed.keep, mixed.skip_layers, mixed.early_factor) == ("blend", (), None)
+    assert mixed.resolved(30).layers == tuple((512, 64) for _ in range(30))  # every layer bounded
+    with pytest.raises(ValueError, match="preset must be one of paper, retrieval, summarize; got 'x'"):
+        make_configs(preset="x")
+    assert set(PRESETS) == {"paper", "retrieval", "summarize"}
