@@ -9,28 +9,27 @@ Every eviction arm holds the same token budget per compressed layer; bytes are
 counted over all layers, so each arm's real byte compression is reported beside it.
   full        the model's own caches (the reference)
   default     the library default, whatever it is when the benchmark runs (not in the default arm list:
-              it is one of skip30 / bounded_x8)
+              since 0.2 it is keydiff_all)
+  keydiff_all keep="keydiff" in every full-attention layer (the default since 0.2)
+  random_all  random scores in every full-attention layer: keydiff_all's twin at equal bytes
+  blend_all   keep="blend" (KeyDiff's cosine + 0.5 ln|k|) in every full-attention layer
+  low_all     keep-low in every full-attention layer
   paper       keep-low, recent = budget // 8, layers 0-1 uncompressed (the paper's layers)
   keep_high   the paper's ablation (keep the highest norms), layers 0-1 uncompressed
   random      random scores, same machinery, layers 0-1 uncompressed
   streaming   sinks + most recent tokens (StreamingLLM), same machinery, layers 0-1 uncompressed
   rotating    mlx_lm RotatingKVCache(budget, keep=4) in every full-attention layer (max_kv_size)
   probe       keep-low with the layers knorm-probe suggests uncompressed (computed at the start)
-  skip30      keep-low with the first 30% of all layers uncompressed: the library default on models
-              without sliding-window layers (on Gemma 3 the default skips global layers 5 and 11: `probe`)
+  skip30      keep-low with the first 30% of all layers uncompressed: the default before 0.2 on models
+              without sliding-window layers (on Gemma 3 it skipped global layers 5 and 11: `probe`)
   bounded_x8  keep-low in every full-attention layer; the first 30% get 8x the budget (a ceiling:
               EvictionConfig(early_factor=8))
   bounded_x4  the same with 4x
 Sliding-window layers (Gemma 3) keep their own caches in every arm.
 
-Fidelity (DESIGN.md section 9) runs its own arms, every one with the default's settings but one:
+Fidelity (DESIGN.md section 9) takes any of the arms above, and its own:
   none        the question alone, no document (what the model guesses unaided)
-  default     EvictionConfig(budget): low norm, the model's default layers whole
-  random_same random scores, the default's layers whole
-  low_all     low norm in every full-attention layer (skip_layers=())
-  keydiff_all KeyDiff (keep="keydiff": least like the head's running mean key) in every full-attention layer
-  blend_all   keep="blend" (KeyDiff's cosine + 0.5 ln|k|) in every full-attention layer
-  random_all  random in every full-attention layer
+  random_same random scores with the retrieval preset's layers whole (skip30's twin on SmolLM2, probe's on Gemma 3)
   recent_all  sinks + most recent in every full-attention layer
   rotating    as above
 and reports recovered = (nll_none - nll_arm) / (nll_none - nll_full) of a reference summary
@@ -79,15 +78,15 @@ from knorm_gen.probe import probe_model
 from documents import documents, missing as missing_documents  # benchmarks/documents.py
 
 RESULTS = Path(__file__).parent / "results"
-ARMS = ("full", "skip30", "bounded_x8", "bounded_x4", "paper", "probe", "keep_high", "random", "streaming",
-        "rotating", "default")
-DEFAULT_RUN = ARMS[:-1]  # "default" is skip30 or bounded_x8, whichever the library uses: listed once
-FIDELITY_ARMS = ("full", "none", "default", "random_same", "low_all", "keydiff_all", "blend_all", "random_all",
-                 "recent_all", "rotating")
+ARMS = ("full", "keydiff_all", "random_all", "blend_all", "low_all", "skip30", "bounded_x8", "bounded_x4", "paper",
+        "probe", "keep_high", "random", "streaming", "rotating", "default")
+DEFAULT_RUN = ARMS[:-1]  # "default" is keydiff_all, the library's default: listed once
+FIDELITY_ARMS = ("full", "none", "keydiff_all", "random_all", "blend_all", "low_all", "skip30", "paper",
+                 "random_same", "recent_all", "rotating")
 # each arm's random counterpart at equal bytes (the same layers compressed): paired wins are counted against it
-RANDOM_PAIR = {"default": "random_same", "skip30": "random_same", "low_all": "random_all",
+RANDOM_PAIR = {"default": "random_all", "skip30": "random_same", "low_all": "random_all",
                "keydiff_all": "random_all", "blend_all": "random_all", "recent_all": "random_all"}
-QUICK_FIDELITY_ARMS = ("full", "none", "default", "random_same", "rotating")
+QUICK_FIDELITY_ARMS = ("full", "none", "keydiff_all", "random_all", "rotating")
 
 
 class Arms:
@@ -102,20 +101,20 @@ class Arms:
 
     def config(self, arm: str, budget: int) -> Optional[EvictionConfig]:
         paper = dict(budget=budget, skip_layers=(0, 1))
-        table = {
+        low = dict(budget=budget, keep="low")
+        table = {  # every arm names its rule: the default's rule changed in 0.2
             "default": EvictionConfig(budget=budget),
-            "paper": EvictionConfig(**paper),
+            "paper": EvictionConfig(**paper, keep="low"),
             "keep_high": EvictionConfig(**paper, recent=0, keep="high"),
             "random": EvictionConfig(**paper, recent=0, keep="random"),
             "streaming": EvictionConfig(**paper, recent=0, keep="recent"),
-            "probe": EvictionConfig(budget=budget, skip_layers=self.probe_skip),
-            "skip30": EvictionConfig(budget=budget, skip_layers=self.early),
-            "bounded_x8": EvictionConfig(budget=budget, early_factor=8),
-            "bounded_x4": EvictionConfig(budget=budget, early_factor=4),
-            # the fidelity task's arms: the default's settings, only the rule or the layers changed
-            "random_same": EvictionConfig(budget=budget, keep="random",
-                                          skip_layers=EvictionConfig(budget=budget).for_model(self.model).skip_layers),
-            "low_all": EvictionConfig(budget=budget, skip_layers=()),
+            "probe": EvictionConfig(**low, skip_layers=self.probe_skip),
+            "skip30": EvictionConfig(**low, skip_layers=self.early),
+            "bounded_x8": EvictionConfig(**low, early_factor=8),
+            "bounded_x4": EvictionConfig(**low, early_factor=4),
+            # skip30's twin at equal bytes: random with the retrieval preset's layers whole
+            "random_same": EvictionConfig(budget=budget, keep="random", skip_layers=None),
+            "low_all": EvictionConfig(**low, skip_layers=()),
             "random_all": EvictionConfig(budget=budget, keep="random", skip_layers=()),
             "recent_all": EvictionConfig(budget=budget, keep="recent", skip_layers=()),
             "keydiff_all": EvictionConfig(budget=budget, keep="keydiff", skip_layers=()),
@@ -516,7 +515,7 @@ def fidelity_table(rows: list, documents: list) -> dict:
 # ---------------------------------------------------------------- grids per model
 # Issue 13's question (a bounded default) is asked at a fixed budget of 512, where the
 # candidates differ from the 0.1 default (skip30) only past 8x the budget.
-CANDIDATES = ("skip30", "bounded_x8", "bounded_x4")
+CANDIDATES = ("keydiff_all", "skip30", "bounded_x8", "bounded_x4")
 CORE = ("skip30", "bounded_x8", "paper", "probe", "streaming", "rotating")
 PLANS = {
     # SmolLM2: trained context 8k; the full cache found 4/4 keys at 2k and 4k, 2/3 at 8k (calibration, README)
@@ -558,7 +557,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--reference-penalty", type=float, default=1.2,
                     help="fidelity: repetition penalty of the full cache's reference summary (1 = plain greedy; "
                          "greedy SmolLM2 summaries loop)")
-    ap.add_argument("--product-arms", default="skip30",
+    ap.add_argument("--product-arms", default="keydiff_all",
                     help="passkey: the arms also run through the library's own calls (512-token blocks)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the pass keys (another seed: more cases)")
     ap.add_argument("--add-to", default="",

@@ -26,9 +26,10 @@ like the head's mean direction; ``blend`` adds the paper's log norm to KeyDiff's
 cosine; ``random`` and ``recent`` (StreamingLLM: sinks + most recent) are baselines."""
 
 EARLY_FRACTION = 0.3
-"""The share of leading layers the default leaves uncompressed. On the embedded
-model, compressing layers 2-8 broke passkey retrieval at every length we measured,
-and leaving layers 0-8 (30% of 30) uncompressed restored it (README, Results)."""
+"""The share of leading layers ``skip_layers=None`` (``--preset retrieval``, the
+default before 0.2) leaves uncompressed. On the embedded model, compressing layers
+2-8 with keep-low broke passkey retrieval at every length we measured, and leaving
+layers 0-8 (30% of 30) uncompressed restored it (README, Results)."""
 
 SEED_LIMIT = 2**64  # mx.random.seed takes an unsigned 64-bit integer
 
@@ -198,10 +199,12 @@ def _setting(default: Any, help: str, *, parse=None, metavar: Optional[str] = No
 class EvictionConfig:
     """How every compressed layer evicts, as the user states it. ``budget=None``
     means no eviction; ``recent=None`` means :func:`auto_recent` (``budget // 8``,
-    per layer). ``skip_layers`` are left uncompressed (their memory grows with the
-    input); ``None`` means :func:`early_layers`: the first 30% (at least two) of the
-    full-attention layers. ``layer_budgets`` (``{layer: budget}``) overrides the
-    budget of single layers.
+    per layer). The default, ``keep="keydiff"`` with ``skip_layers=()``, bounds every
+    full-attention layer (chosen on summary fidelity, pass keys and perplexity on
+    both models: README, Results). ``skip_layers`` are left uncompressed (their
+    memory grows with the input); ``None`` means :func:`early_layers`: the first 30%
+    (at least two) of the full-attention layers (``--preset retrieval``).
+    ``layer_budgets`` (``{layer: budget}``) overrides the budget of single layers.
 
     ``early_factor=N`` bounds every layer instead: nothing is skipped and the
     first 30% of the full-attention layers hold ``N * budget`` tokens (with 8, memory at budget 512
@@ -214,14 +217,14 @@ class EvictionConfig:
                                      parse=parse_budget, metavar="INT|none")
     n_sink: int = _setting(4, "Leading tokens never evicted.")
     recent: Optional[int] = _setting(None, "Most recent tokens never evicted.", default_text="budget // 8")
-    keep: str = _setting("low", "low = keep low key norms (the paper); keydiff = keep keys least like the head's "
+    keep: str = _setting("keydiff", "low = keep low key norms (the paper); keydiff = keep keys least like the head's "
                          "mean (coverage); blend = both; high = ablation; random/recent = baselines.",
                          choices=KEEP_MODES)
     skip_layers: Optional[tuple[int, ...]] = _setting(
-        None, "Layers left uncompressed (their memory grows with the input), e.g. '0,1' or '0-8'; 'none' "
+        (), "Layers left uncompressed (their memory grows with the input), e.g. '0,1' or '0-8'; 'none' "
         "compresses all.", parse=parse_skip_layers, metavar="LIST|none",
-        default_text="the first 30% of the full-attention layers, at least two: 0-8 on the embedded model, "
-                     "5,11 on Gemma 3")
+        default_text="none: every layer bounded (--preset retrieval leaves the first 30% of the full-attention "
+                     "layers whole)")
     layer_budgets: Optional[Mapping[int, int]] = _setting(
         None, "Per-layer budgets overriding --budget, e.g. '2-8:1024,20:256'.", parse=parse_layer_budgets,
         metavar="LAYERS:INT,...")
@@ -254,7 +257,7 @@ class EvictionConfig:
         if self.early_factor is not None:
             if not _is_int(self.early_factor) or self.early_factor < 1:
                 raise ValueError(f"early_factor must be an integer >= 1, got {self.early_factor!r}")
-            if self.skip_layers is not None or self.layer_budgets is not None:
+            if self.skip_layers not in (None, ()) or self.layer_budgets is not None:
                 raise ValueError("early_factor sets the layer layout itself: leave skip_layers and layer_budgets "
                                  "unset, or drop early_factor")
 
@@ -498,7 +501,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 """Named eviction layouts (``--preset``, ``preset=``); the fields given beside a
 preset override it. ``paper``: the paper's rule and layers (keep-low, layers 0-1
 uncompressed, so their memory grows with the input). ``retrieval``: keep-low with
-the first 30% of the full-attention layers uncompressed (the default before 0.3:
+the first 30% of the full-attention layers uncompressed (the default before 0.2:
 the best at pass keys on the embedded model, memory grows with the input).
 ``summarize``: KeyDiff in every layer, every layer bounded (README, Results)."""
 

@@ -67,17 +67,34 @@ class ProbeReport:
             return "no full-attention layer: there is nothing for L2Norm eviction to compress"
         if not good:
             return ("the key-norm signal holds in none of the full-attention layers: L2Norm eviction does not suit "
-                    "this model; use keep='recent' (sinks + recent window) or the full cache")
+                    "this model; use keep='keydiff' (the default, which does not rely on it) or the full cache")
         skip = self.suggested_skip_layers
         if len(good) * 2 < len(full):
             return (f"the key-norm signal holds in only {len(good)} of {len(full)} full-attention layers "
-                    f"({_ranges(good)}): compress only those (--skip-layers {_ranges(skip)}), or prefer "
-                    "keep='recent'; then check retrieval on your own task")
+                    f"({_ranges(good)}): with keep='low', compress only those (--skip-layers {_ranges(skip)}), or use "
+                    "keep='keydiff' (the default) in every layer; then check retrieval on your own task")
         if not skip:
             return (f"the key-norm signal holds in all {len(full)} full-attention layers: every one can be "
                     "compressed; check retrieval on your own task before trusting the early layers")
-        return (f"the key-norm signal holds in {len(good)} of {len(full)} full-attention layers; leave the others "
-                f"uncompressed: --skip-layers {_ranges(skip)}")
+        return (f"the key-norm signal holds in {len(good)} of {len(full)} full-attention layers; with keep='low', "
+                f"leave the others uncompressed: --skip-layers {_ranges(skip)}")
+
+    @property
+    def rule_advice(self) -> str:
+        """Which rule suits which layers, as far as this probe can tell."""
+        full = self.compressible
+        if not full:
+            return "no full-attention layer: no rule to choose"
+        good = [s.layer for s in full if s.rho_mean <= self.threshold]
+        bad = [s.layer for s in full if s.rho_mean > self.threshold]
+        where = (f"keep='low' (the paper's rule: --preset paper or retrieval) is supported in layers {_ranges(good)}"
+                 if good else "keep='low' is supported in no layer")
+        if bad:
+            where += f" and not in {_ranges(bad)}, where it dropped pass keys on Gemma 3 (README, Results)"
+        return (f"{where}. The probe measures only that signal (a low-norm key draws attention); it cannot tell "
+                "which layers a summary needs covered (KeyDiff's criterion is not attention), so it cannot rank "
+                "keep='keydiff' per layer: the default (keydiff in every layer) was chosen by the fidelity, "
+                "pass-key and perplexity benchmarks, not by this probe")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -85,6 +102,7 @@ class ProbeReport:
         d["negative_layers"] = sum(s.rho_mean < 0 for s in self.compressible)
         d["full_layers"] = [s.layer for s in self.compressible]
         d["advice"] = self.advice
+        d["rule_advice"] = self.rule_advice
         return d
 
     def format_table(self) -> str:
@@ -103,6 +121,7 @@ class ProbeReport:
                     f"({self.tokens} tokens of pydoc text)")
         rows.append(f"suggested skip_layers (mean rho > {self.threshold:+.2f}): {self.suggested_skip_layers}")
         rows.append(f"advice: {self.advice}")
+        rows.append(f"rules: {self.rule_advice}")
         return "\n".join(rows)
 
 

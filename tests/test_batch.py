@@ -65,8 +65,9 @@ def test_records_match_library_calls_and_share_one_shape(tmp_path, mt):
         "kept_bytes": ref.kept_bytes, "full_bytes": ref.full_bytes}
     assert p["compression_ratio"] == pytest.approx(p["full_bytes"] / p["kept_bytes"])
     assert p["meta"] == {"source": "test"} and p["model"] == MODEL["spec"] and p["error"] is None
-    # the tiny model has 4 layers: the first 30%, at least two, stay uncompressed
-    assert p["config"]["budget"] == 16 and p["config"]["max_tokens"] == 2 and p["config"]["skip_layers"] == [0, 1]
+    # the default bounds every layer with KeyDiff
+    assert p["config"]["budget"] == 16 and p["config"]["max_tokens"] == 2 and p["config"]["skip_layers"] == []
+    assert p["config"]["keep"] == "keydiff"
     assert m["completion"] == generate_with_eviction(model, tok, [{"role": "user", "content": "Say hi."}], **OPTS).text
 
     refs = answer_questions(model, tok, "The cat is black. The dog is white.", ["What colour is the dog?", "And the cat?"], **OPTS)

@@ -100,3 +100,13 @@ def test_run_all_quick_matches_the_documented_schema(tmp_path):
     for path in written:
         check_file(json.loads(path.read_text()), schema_for(path.name, schema))
     assert "### Passkey retrieval" in (tmp_path / "summary.md").read_text()
+
+
+def test_fidelity_references_are_cut_at_their_first_loop():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from quality import cut_repetition
+
+    loop = [5, 6, 7, 8, 9, 10, 11, 12]
+    assert cut_repetition([1, 2] + loop + loop + [3]) == [1, 2] + loop  # the second copy starts the loop
+    assert cut_repetition(list(range(40))) == list(range(40))           # no 8-gram repeats: kept whole
+    assert cut_repetition([4] * 7) == [4] * 7 and cut_repetition([4] * 9) == [4]  # overlapping copies

@@ -129,7 +129,7 @@ def test_exact_norm_ties_break_by_position():
     ids = np.array([0, 1, 0, 2, 1, 0, 0, 2, 1, 1, 0, 2, 2, 0])
     keys = mx.array(base[ids][None, None])  # (1, 1, 14, 8)
     for splits in ([14], [1] * 14, [3, 4, 1, 6]):
-        cache = L2NormKVCache(budget=6, n_sink=1)
+        cache = L2NormKVCache(budget=6, n_sink=1, keep="low")
         start = 0
         for size in splits:
             cache.update_and_fetch(keys[:, :, start : start + size], keys[:, :, start : start + size])
@@ -398,13 +398,27 @@ def test_layer_budgets_override_single_layers(tiny_model):
         make_eviction_cache(tiny_model, EvictionConfig(budget=8, layer_budgets={5: 16}))
 
 
-def test_default_skip_layers_are_the_first_30_percent(tiny_model):
+def test_the_default_bounds_every_layer_with_keydiff():
+    from knorm_gen.memory import kv_memory
+
+    config = EvictionConfig(budget=8)
+    assert (config.keep, config.skip_layers) == ("keydiff", ())
+    model = tiny_llama(layers=10)
+    caches = make_eviction_cache(model, config)
+    assert all(isinstance(c, L2NormKVCache) and c.keep == "keydiff" for c in caches)
+    # a ceiling: 10 layers of 8 positions (an independent count from the shapes)
+    attn = model.layers[0].self_attn
+    per_slot = attn.n_kv_heads * attn.head_dim * 4 * 2  # keys + values, float32
+    assert kv_memory(model, config).ceiling_bytes == 10 * 8 * per_slot
+
+
+def test_skip_layers_none_is_the_first_30_percent(tiny_model):
     from knorm_gen.config import early_layers
     from knorm_gen.memory import kv_memory
 
     assert early_layers(30) == tuple(range(9))
     assert early_layers(3) == (0, 1) and early_layers(1) == (0,)
-    config = EvictionConfig(budget=8)
+    config = EvictionConfig(budget=8, skip_layers=None, keep="low")
     assert config.skip_layers is None and config.to_dict()["skip_layers"] is None
     assert "early_factor" not in config.to_dict()  # records written before the field keep their fingerprints
     assert config.resolved(30).skip_layers == tuple(range(9)) and config.resolved(30).recent == 1
@@ -415,8 +429,8 @@ def test_default_skip_layers_are_the_first_30_percent(tiny_model):
     # counted among the full-attention layers: sliding-window layers are never compressed anyway
     types = ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"] * 2
     hybrid = tiny_llama(layers=9, layer_types=types, sliding_window=8)
-    assert EvictionConfig(budget=8).for_model(hybrid).skip_layers == (3, 5)
-    caches = make_eviction_cache(hybrid, EvictionConfig(budget=8))
+    assert EvictionConfig(budget=8, skip_layers=None).for_model(hybrid).skip_layers == (3, 5)
+    caches = make_eviction_cache(hybrid, EvictionConfig(budget=8, skip_layers=None))
     assert [i for i, c in enumerate(caches) if isinstance(c, L2NormKVCache)] == [6, 8]
 
 
