@@ -57,8 +57,10 @@ def test_default_output_beside_input_and_summary(tmp_path, loaded_model):
     out = tmp_path / "prompts.completions.jsonl"
     assert [r["id"] for r in records(out)] == ["a", "b"]
     assert "2 rows: 2 ok, 0 failed, 0 skipped" in result.stderr and "compression mean" in result.stderr
-    # the default leaves 9 of 30 layers uncompressed: the summary says memory has no ceiling
-    assert "KV memory per row: no ceiling: 9 of 30 layers keep every token" in result.stderr
+    # the default bounds all 30 layers: the summary states the ceiling (30 x budget x 1536 bytes per position)
+    budget = int(FAST[FAST.index("--budget") + 1]) if "--budget" in FAST else 512
+    assert f"KV memory per row: at most {30 * budget * 1536 / 2**20:.1f} MiB, whatever the input length" \
+        in result.stderr
     assert result.stdout == ""
 
 
@@ -145,7 +147,7 @@ def test_job_file_equals_flags_and_flags_override(tmp_path, loaded_model):
     assert invoke("--job", job, "-q").exit_code == 0
     flags = tmp_path / "flags.jsonl"
     assert invoke(inp, "-o", flags, "--budget", "16", "--n-sink", "2", "--recent", "4", "--skip-layers", "0",
-                  "--max-tokens", "3", "-q").exit_code == 0
+                  "--keep", "low", "--max-tokens", "3", "-q").exit_code == 0
     by_job = records(tmp_path / "out" / "job.jsonl")
     assert [untimed(r) for r in by_job] == [untimed(r) for r in records(flags)]
     assert by_job[0]["config"]["recent"] == 4 and by_job[0]["config"]["skip_layers"] == [0]

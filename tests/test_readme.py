@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-N_LAYERS, N_SKIPPED = 30, 9  # the embedded model and the default skip_layers
+N_LAYERS, N_SKIPPED = 30, 0  # the embedded model; the default bounds every layer
 
 
 def python_blocks():
@@ -73,8 +73,9 @@ def _numbers_line(lines):
 def test_cache_block_prints_true_numbers(executed):
     ns, outputs = executed
     cache = ns["cache"]
-    seen = cache[0].offset  # layer 0 is a plain mlx_lm KVCache (skipped by default)
-    assert type(cache[0]).__name__ == "KVCache" and seen > 32
+    seen = cache[0].offset  # every layer is an eviction cache by default; offset counts every position fed
+    n_prompt = len(ns["prompt"])
+    assert type(cache[0]).__name__ == "L2NormKVCache" and n_prompt < seen <= n_prompt + 40
     assert outputs[2] == [f"{seen} 32 {ratio(seen, 32):.2f}x"]
 
 
@@ -118,9 +119,10 @@ def test_memory_block_prints_true_numbers(executed):
     lengths = (1024, 4096, 8192, 16384)
     positions = {  # per layout: positions held over all 30 layers after n tokens, and the ceiling
         "full": (lambda n: 30 * n, None),
-        "default": (lambda n: 9 * n + 21 * min(n, 512), None),
+        "default": (lambda n: 30 * min(n, 512), 30 * 512),
+        "retrieval": (lambda n: 9 * n + 21 * min(n, 512), None),
+        "paper": (lambda n: 2 * n + 28 * min(n, 512), None),
         "early_factor=8": (lambda n: 9 * min(n, 4096) + 21 * min(n, 512), 9 * 4096 + 21 * 512),
-        "skip 0-1": (lambda n: 2 * n + 28 * min(n, 512), None),
     }
     assert list(ns["layouts"]) == list(positions)
     expected = [f"{name} {[round(row * held(n) / 2**20, 1) for n in lengths]} {None if cap is None else row * cap}"
