@@ -427,13 +427,15 @@ def task_fidelity(model, tok, arms: Arms, docs: list, ratios, arm_names, max_tok
     rows = list((earlier or {}).get("rows", []))
     documents = list((earlier or {}).get("documents", []))
     done = {d["name"] for d in documents}
-    none_prompt = tok.apply_chat_template([{"role": "user", "content": FIDELITY_QUESTION}],
-                                          add_generation_prompt=True, tokenize=True)
+    chat = bool(getattr(tok, "has_chat_template", False))  # Gemma 3's GGUF has none: plain text, as the product
+    none_prompt = (tok.apply_chat_template([{"role": "user", "content": FIDELITY_QUESTION}],
+                                           add_generation_prompt=True, tokenize=True) if chat
+                   else (lambda p, q: p + q[0])(*split_question_prompts(tok, "", [FIDELITY_QUESTION], chat=False)))
     for doc in docs:
         if doc.name in done:
             log(f"fidelity {doc.name}: in the earlier run, not run again")
             continue
-        prefix, (q_ids,) = split_question_prompts(tok, doc.text, [FIDELITY_QUESTION], chat=True)
+        prefix, (q_ids,) = split_question_prompts(tok, doc.text, [FIDELITY_QUESTION], chat=chat)
         n_ctx = len(prefix)
         tic = time.perf_counter()
         full = _prefill(model, prefix, arms.caches("full", 0), step)

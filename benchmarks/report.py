@@ -365,7 +365,8 @@ def three_tasks_table(d: Path, suffix: str) -> str:
                        for m in ("ctq", "whole") if ("full", None, m) in pcell)
     lines = ["| arm | fidelity 4x (wins vs random twin; bytes) | fidelity 8x | "
              f"pass keys 4x at {length} (ctq whole, p = product) | pass keys 8x | "
-             f"perplexity at {qlen}, budget {qbudget} |", "|---|---|---|---|---|---|"]
+             + (f"perplexity at {qlen}, budget {qbudget} |" if qlen else "perplexity (not run) |"),
+             "|---|---|---|---|---|---|"]
     if full_pk or qcell:
         lines.append(f"| full | 100% | 100% | {full_pk} | {full_pk} | "
                      f"{next(iter(qcell.values()))['full_ppl']:.2f} |" if qcell else f"| full | 100% | 100% | {full_pk} | {full_pk} | |")

@@ -167,11 +167,13 @@ def test_second_load_comes_from_the_cache(gemma, cache_root, monkeypatch):
 def test_eviction_compresses_only_global_layers(gemma):
     model, _ = gemma
     own = make_prompt_cache(model)
-    # the default skips the first 30% (at least two) of the full-attention layers: 5 and 11, as
-    # knorm-probe advises for this model (README, Results: 0/5 pass keys with them compressed, 5/5 without)
+    # the default compresses every global layer (KeyDiff); skip_layers=None (--preset retrieval) skips the
+    # first 30% (at least two) of the full-attention layers: 5 and 11, as knorm-probe advises for keep-low
     default = make_eviction_cache(model, EvictionConfig(budget=256))
-    assert [i for i, c in enumerate(default) if isinstance(c, L2NormKVCache)] == GLOBAL_LAYERS[2:]
-    assert EvictionConfig(budget=256).for_model(model).skip_layers == tuple(GLOBAL_LAYERS[:2])
+    assert [i for i, c in enumerate(default) if isinstance(c, L2NormKVCache)] == GLOBAL_LAYERS
+    retrieval = make_eviction_cache(model, EvictionConfig(budget=256, skip_layers=None))
+    assert [i for i, c in enumerate(retrieval) if isinstance(c, L2NormKVCache)] == GLOBAL_LAYERS[2:]
+    assert EvictionConfig(budget=256, skip_layers=None).for_model(model).skip_layers == tuple(GLOBAL_LAYERS[:2])
     bounded = EvictionConfig(budget=256, early_factor=8).for_model(model)
     assert bounded.skip_layers == () and bounded.layer_budgets == {i: 2048 for i in GLOBAL_LAYERS[:2]}
     for config in (EvictionConfig(budget=256, skip_layers=()),):
