@@ -45,7 +45,8 @@ class L2NormKVCache(_BaseCache):
     position (``"recent"``), or the cosine to the head's mean unit key
     (``"keydiff"``, ``"blend"``: see :mod:`knorm_gen.scores` for the anchor).
     The first ``n_sink`` positions and the last ``recent`` positions are never
-    evicted. Scores are computed once, in float32, when a token is inserted.
+    evicted. Scores are float32; the norm rules score a token once, when it is
+    inserted, the anchored ones also re-score the held keys at every block.
     """
 
     def __init__(self, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink, recent: int = 0,

@@ -200,8 +200,9 @@ class EvictionConfig:
     """How every compressed layer evicts, as the user states it. ``budget=None``
     means no eviction; ``recent=None`` means :func:`auto_recent` (``budget // 8``,
     per layer). The default, ``keep="keydiff"`` with ``skip_layers=()``, bounds every
-    full-attention layer (chosen on summary fidelity, pass keys and perplexity on
-    both models: README, Results). ``skip_layers`` are left uncompressed (their
+    full-attention layer: the best bounded layout on summary fidelity, pass keys and
+    perplexity over both benchmarked models, though on Gemma 3 it loses summaries and
+    perplexity to random eviction (README, Results). ``skip_layers`` are left uncompressed (their
     memory grows with the input); ``None`` means :func:`early_layers`: the first 30%
     (at least two) of the full-attention layers (``--preset retrieval``).
     ``layer_budgets`` (``{layer: budget}``) overrides the budget of single layers.

@@ -71,8 +71,8 @@ class ProbeReport:
         skip = self.suggested_skip_layers
         if len(good) * 2 < len(full):
             return (f"the key-norm signal holds in only {len(good)} of {len(full)} full-attention layers "
-                    f"({_ranges(good)}): with keep='low', compress only those (--skip-layers {_ranges(skip)}), or use "
-                    "keep='keydiff' (the default) in every layer; then check retrieval on your own task")
+                    f"({_ranges(good)}): with keep='low', compress only those (--skip-layers {_ranges(skip)}); the "
+                    "default, keep='keydiff', does not rely on the signal; check your own task either way")
         if not skip:
             return (f"the key-norm signal holds in all {len(full)} full-attention layers: every one can be "
                     "compressed; check retrieval on your own task before trusting the early layers")
