@@ -180,12 +180,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--decode", type=int, default=48)
     ap.add_argument("--prefill-step", type=int, default=512)
-    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    ap.add_argument("--arms", default="", help=f"comma-separated, of {', '.join(ARMS)} (default: all; --quick: "
+                    "full, rotating, l2norm, l2norm_default)")
     ap.add_argument("--quick", action="store_true", help="1024 tokens of context, 16 decode steps")
     ap.add_argument("--out", default=str(RESULTS / "cache_speed.json"))
     args = ap.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
-    arm_names = tuple(a for a in args.arms.split(",") if a)
+    arm_names = tuple(a for a in args.arms.split(",") if a) or (
+        ("full", "rotating", "l2norm", "l2norm_default") if args.quick else ARMS)
     if set(arm_names) - set(ARMS):
         ap.error(f"unknown arms {sorted(set(arm_names) - set(ARMS))}; allowed: {', '.join(ARMS)}")
     if args.quick:
@@ -212,7 +214,7 @@ def main(argv=None) -> dict:
         "contexts": results,
         # the default's prefill tokens/s at each length over its rate at the shortest (issue 19: >= 0.8 at 8k)
         "default_prefill_vs_shortest": {str(c): r / default_rate[shortest] for c, r in default_rate.items()},
-        "rule_cost": rule_cost(model, args.budget, args.prefill_step),
+        "rule_cost": rule_cost(model, args.budget, args.prefill_step, repeats=1 if args.quick else 5),
         "runtime": runtime_info(),
     }
     for keep, c in out["rule_cost"].items():

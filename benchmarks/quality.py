@@ -81,6 +81,7 @@ RESULTS = Path(__file__).parent / "results"
 ARMS = ("full", "keydiff_all", "random_all", "blend_all", "low_all", "skip30", "bounded_x8", "bounded_x4", "paper",
         "probe", "keep_high", "random", "streaming", "rotating", "default")
 DEFAULT_RUN = ARMS[:-1]  # "default" is keydiff_all, the library's default: listed once
+QUICK_RUN = ("full", "keydiff_all", "random_all", "skip30", "paper", "probe", "rotating")  # the smoke run
 FIDELITY_ARMS = ("full", "none", "keydiff_all", "random_all", "blend_all", "low_all", "skip30", "paper",
                  "random_same", "recent_all", "rotating")
 # each arm's random counterpart at equal bytes (the same layers compressed): paired wins are counted against it
@@ -567,7 +568,7 @@ def main(argv=None) -> dict:
                          "or fidelity (its documents are not run again: also a resume after a kill)")
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
-    arm_names = tuple(a for a in args.arms.split(",") if a) or DEFAULT_RUN
+    arm_names = tuple(a for a in args.arms.split(",") if a) or (QUICK_RUN if args.quick else DEFAULT_RUN)
     unknown = set(arm_names) - set(ARMS) - set(FIDELITY_ARMS)
     if unknown:
         ap.error(f"unknown arms {sorted(unknown)}; allowed: {', '.join(dict.fromkeys(ARMS + FIDELITY_ARMS))}")
