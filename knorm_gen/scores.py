@@ -47,8 +47,7 @@ def _squared_norm(keys: mx.array) -> mx.array:
 
 def unit_keys(keys: mx.array) -> mx.array:
     """Keys scaled to unit length, float32 (a zero key stays zero)."""
-    k = keys.astype(mx.float32)
-    return k * mx.rsqrt(mx.maximum(mx.sum(mx.square(k), axis=-1, keepdims=True), 1e-30))
+    return keys.astype(mx.float32) * mx.rsqrt(mx.maximum(_squared_norm(keys), 1e-30))[..., None]
 
 
 def score_low(keys: mx.array, positions: mx.array, anchor: Optional[mx.array] = None) -> mx.array:
@@ -158,7 +157,7 @@ def block_ranks(keep: str, n_sink: int, keys: mx.array, start: mx.array | int,
 def rescore(keep: str, n_sink: int, keys: mx.array, rank: mx.array, anchor: mx.array) -> mx.array:
     """Ranks of held ``keys`` (their positions packed in ``rank``) scored again
     against ``anchor``; PAD slots stay PAD."""
-    positions = mx.bitwise_and(rank, _POS_MASK)
+    positions = rank_positions(rank)
     new = pack_ranks(SCORES[keep](keys, positions, anchor), positions, n_sink)
     return mx.where(rank == PAD, rank, new)
 
