@@ -1,17 +1,22 @@
-"""L2Norm key-norm KV-cache eviction on mlx_lm's cache protocol: one row, and a batch.
+"""KV-cache eviction on mlx_lm's cache protocol: one row, and a batch.
 
-Devoto et al. (arXiv:2406.11430): a key with a low L2 norm tends to draw high
-attention, so when a layer's cache is over budget we keep the lowest-norm keys.
-
-``L2NormKVCache`` holds one layer's keys for one row; ``BatchL2NormKVCache`` the
-same for B rows, and each (row, KV head) selects exactly as the single-row cache
-does on that row alone. As in mlx_lm's own ``KVCache`` / ``BatchKVCache``, the two
-live together and name each other (``merge``, ``extract``); the ranking and
+``EvictionKVCache`` holds one layer's keys for one row and keeps at most
+``budget`` of the row's document tokens, chosen by a rule (the table in
+:mod:`knorm_gen.scores`: the paper's L2Norm rule ``keep="low"``, Devoto et al.,
+arXiv:2406.11430, KeyDiff, and the others); ``BatchEvictionKVCache`` the same for
+B rows, and each (row, KV head) selects exactly as the single-row cache does on
+that row alone. As in mlx_lm's own ``KVCache`` / ``BatchKVCache``, the two live
+together and name each other (``merge``, ``extract``); the ranking and
 selection arithmetic they share is in :mod:`knorm_gen.scores`.
+
+What a row pins (never evicts, held on top of the budget) is given by its
+*spans*, the position ranges of its document: the chat template, the system
+turn, a question and the answer lie outside them (:mod:`knorm_gen.prompts`
+finds them).
 
 Batch layout: row b's valid tokens fill slots ``[0, counts[b])`` for every head
 (the order inside is not time order; attention does not need it). After a
-decode step over budget each (row, head) has one *hole*, the slot it just
+decode step over its limit each (row, head) has one *hole*, the slot it just
 evicted, which the next decode step fills in place, as the single-row cache
 does; any other operation first compacts the holes away. Invalid slots carry
 ``PAD`` rank. The mask of a call is per row: the first ``counts[b]`` stored
@@ -22,6 +27,7 @@ never kept and never counted.
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -29,41 +35,48 @@ import mlx.nn as nn
 
 from .config import EvictionConfig, ResolvedEviction, validate_eviction_args
 from .mlx_compat import _BaseCache, create_attention_mask, make_prompt_cache, register_cache_class
-from .scores import (ANCHORED, PAD, PROTECTED, anchor_sum, block_ranks, capacity, evict_key, rank_positions,
-                     rescore, running_anchor)
+from .scores import (ALL_EVICTABLE, ANCHORED, PAD, PROTECTED, Spans, anchor_sum, block_ranks, capacity,
+                     check_spans, cover_slots, evict_key, open_ended, pin_from, pinned_count, rank_positions,
+                     rescore, running_anchor, span_array)
 
 
 @register_cache_class  # load_prompt_cache rebuilds caches by class name from mlx_lm's cache module
-class L2NormKVCache(_BaseCache):
-    """A KV cache holding at most ``budget`` tokens per (batch row, KV head).
+class EvictionKVCache(_BaseCache):
+    """A KV cache holding at most ``budget`` evictable tokens per (batch row, KV
+    head), chosen by the rule ``keep`` (:data:`knorm_gen.scores.SCORES`).
 
     Attend first, evict after: ``update_and_fetch`` returns every kept row plus
-    the whole incoming block, then cuts the stored state back to the budget.
-    Over budget it keeps the ``budget`` smallest ``(score, position)`` pairs
-    among evictable tokens, where score is the key's L2 norm (``keep="low"``),
-    its negation (``"high"``), a random draw (``"random"``) or the negated
+    the whole incoming block, then cuts the stored state back to its limit.
+    Over the limit it keeps the smallest ``(score, position)`` pairs, where the
+    score is the rule's: the key's L2 norm (``keep="low"``, the paper's rule),
+    its negation (``"high"``), a random draw (``"random"``), the negated
     position (``"recent"``), or the cosine to the head's mean unit key
     (``"keydiff"``, ``"blend"``: see :mod:`knorm_gen.scores` for the anchor).
-    The first ``n_sink`` positions and the last ``recent`` positions are never
-    evicted. Scores are float32; the norm rules score a token once, when it is
-    inserted, the anchored ones also re-score the held keys at every block.
+    Never evicted: the first ``n_sink`` positions, the last ``recent`` ones, and
+    every position outside ``spans`` (the row's document: the instructions around
+    it are pinned and held on top of the budget, so the limit is ``budget`` plus
+    the pinned tokens seen). ``coverage`` keeps a share of the budget evenly
+    spread over the positions seen (:func:`knorm_gen.scores.cover`). Scores are
+    float32; the norm rules score a token once, when it is inserted, the anchored
+    ones also re-score the held keys at every block.
     """
 
     def __init__(self, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
-                 keep: str = EvictionConfig.keep):
-        validate_eviction_args(budget, n_sink, recent, keep)
+                 keep: str = EvictionConfig.keep, coverage: float = 0.0, spans: Spans = ALL_EVICTABLE):
+        validate_eviction_args(budget, n_sink, recent, keep, coverage)
         self.budget, self.n_sink, self.recent, self.keep = budget, n_sink, recent, keep
+        self.coverage = float(coverage)
+        self.spans: Spans = check_spans(spans)
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
         # int64 per slot: (score bits << 32) | position, so one integer compare
-        # ranks by score and breaks ties by position; sinks are negative.
+        # ranks by score and breaks ties by position; pinned ones are negative.
         self.rank: Optional[mx.array] = None
-        # A decode step over budget leaves one logically evicted slot per head;
+        # A decode step over the limit leaves one logically evicted slot per head;
         # the next token is written there, so no step sorts or concatenates.
         self.free: Optional[mx.array] = None
         self.count = 0  # rows held per (batch row, head)
         self.offset = 0  # absolute positions processed (RoPE needs the true one)
-        self.pinned = False
         # keydiff/blend: the sum of the unit keys of every token seen, (B, H, D) float32
         self.key_sum: Optional[mx.array] = None
 
@@ -71,6 +84,7 @@ class L2NormKVCache(_BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         n = keys.shape[2]
         anchor = None
+        spans = span_array([self.spans])
         if self.keep in ANCHORED:
             part = anchor_sum(keys)
             self.key_sum = part if self.key_sum is None else self.key_sum + part
@@ -79,16 +93,17 @@ class L2NormKVCache(_BaseCache):
                 self._compact()
                 held = self.rank[:, :, : self.count]
                 self.rank[:, :, : self.count] = rescore(self.keep, self.n_sink, self.keys[:, :, : self.count],
-                                                        held, anchor)
-        rank = block_ranks(self.keep, self.n_sink, keys, self.offset, anchor)
+                                                        held, anchor, spans)
+        rank = block_ranks(self.keep, self.n_sink, keys, self.offset, anchor, spans)
         self.offset += n
-        if self.pinned or self.count + n <= self.budget:
+        limit = self.limit
+        if self.count + n <= limit:
             self._compact()
             self._append(keys, values, rank)
             return self.keys[..., : self.count, :], self.values[..., : self.count, :]
         if n == 1:
             return self._decode_over_budget(keys, values, rank)
-        return self._block_over_budget(keys, values, rank)
+        return self._block_over_budget(keys, values, rank, limit)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         # Rows are returned as (kept rows, then the block), so a mask aligned to
@@ -97,29 +112,36 @@ class L2NormKVCache(_BaseCache):
 
     @property
     def state(self):
-        state = (
+        # Slot 10 was ``pinned`` (0/1) before spans existed: kept so older saved caches load.
+        return (
             self.keys, self.values, self.rank, self.free,
-            self.count, self.offset, self.budget, self.n_sink, self.recent, self.keep, int(self.pinned),
+            self.count, self.offset, self.budget, self.n_sink, self.recent, self.keep, 0,
+            self.key_sum, json.dumps(self.spans), self.coverage,
         )
-        return state if self.key_sum is None else state + (self.key_sum,)
 
     @state.setter
     def state(self, v):
         (self.keys, self.values, self.rank, self.free,
          self.count, self.offset, self.budget, self.n_sink, self.recent, self.keep, pinned) = v[:11]
-        self.pinned = bool(pinned)
         self.key_sum = v[11] if len(v) > 11 else None
+        if len(v) > 12:
+            self.spans, self.coverage = check_spans(json.loads(v[12])), float(v[13])
+        else:  # saved before 0.3: pinned meant every token after the budget was kept
+            self.coverage = 0.0
+            self.spans = pin_from(ALL_EVICTABLE, self.offset - max(self.count - self.budget, 0)) if pinned \
+                else ALL_EVICTABLE
 
     @property
     def meta_state(self) -> tuple[str, ...]:
         return tuple(str(x) for x in (self.count, self.offset, self.budget, self.n_sink,
-                                      self.recent, self.keep, int(self.pinned)))
+                                      self.recent, self.keep, json.dumps(self.spans), self.coverage))
 
     @meta_state.setter
     def meta_state(self, v: Sequence[str]) -> None:
-        count, offset, budget, n_sink, recent, keep, pinned = v
+        count, offset, budget, n_sink, recent, keep, spans, coverage = v
         self.count, self.offset, self.budget = int(count), int(offset), int(budget)
-        self.n_sink, self.recent, self.keep, self.pinned = int(n_sink), int(recent), keep, bool(int(pinned))
+        self.n_sink, self.recent, self.keep = int(n_sink), int(recent), keep
+        self.spans, self.coverage = check_spans(json.loads(spans)), float(coverage)
 
     def size(self) -> int:
         return self.count
@@ -159,6 +181,20 @@ class L2NormKVCache(_BaseCache):
         return self.count
 
     @property
+    def tokens_pinned(self) -> int:
+        """Tokens held on top of the budget: pinned positions seen, the sinks aside."""
+        return pinned_count(self.spans, self.n_sink, self.offset)
+
+    @property
+    def limit(self) -> int:
+        """Tokens this cache may hold now: the budget plus the pinned tokens seen."""
+        return self.budget + self.tokens_pinned
+
+    def limit_at(self, seen: int) -> int:
+        """Tokens it may hold once ``seen`` positions have been fed."""
+        return self.budget + pinned_count(self.spans, self.n_sink, seen)
+
+    @property
     def evictions(self) -> int:
         """Tokens evicted so far, per (batch row, KV head)."""
         return self.offset - self.count
@@ -181,19 +217,24 @@ class L2NormKVCache(_BaseCache):
 
     # ---- user-facing extras ---------------------------------------------------
     def pin(self) -> None:
-        """Stop evicting: every later token is kept (a question over a compressed context)."""
-        self.pinned = True
+        """Pin every later token (a question over a compressed context, and its answer)."""
+        self.spans = pin_from(self.spans, self.offset)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether every later token is pinned."""
+        return open_ended(self.spans)
 
     @classmethod
-    def merge(cls, caches: Sequence["L2NormKVCache"]) -> "BatchL2NormKVCache":
-        """A :class:`BatchL2NormKVCache` of these single-row caches. mlx_lm batches
+    def merge(cls, caches: Sequence["EvictionKVCache"]) -> "BatchEvictionKVCache":
+        """A :class:`BatchEvictionKVCache` of these single-row caches. mlx_lm batches
         caches through ``merge``; the one inherited from ``KVCache`` would build a
         plain ``BatchKVCache`` and silently stop evicting."""
-        return BatchL2NormKVCache.merge(caches)
+        return BatchEvictionKVCache.merge(caches)
 
-    def copy(self) -> "L2NormKVCache":
+    def copy(self) -> "EvictionKVCache":
         """An independent copy (MLX writes into a shared array object would leak across copies)."""
-        new = L2NormKVCache.__new__(L2NormKVCache)
+        new = EvictionKVCache.__new__(EvictionKVCache)
         new.state = tuple(mx.array(x) if isinstance(x, mx.array) else x for x in self.state)
         return new
 
@@ -222,8 +263,12 @@ class L2NormKVCache(_BaseCache):
         )
 
     # ---- internals -------------------------------------------------------------
+    @property
+    def _cover_slots(self) -> int:
+        return cover_slots(self.budget, self.coverage)
+
     def _evict_key(self, rank: mx.array) -> mx.array:
-        return evict_key(rank, self.offset, self.recent)
+        return evict_key(rank, self.offset, self.recent, self._cover_slots)
 
     def _compact(self) -> None:
         if self.free is not None:
@@ -235,7 +280,7 @@ class L2NormKVCache(_BaseCache):
         cap = 0 if self.keys is None else self.keys.shape[2]
         if self.count + n > cap:
             b, h = keys.shape[:2]
-            grow = capacity(self.count + n, self.budget, self.pinned) - cap
+            grow = capacity(self.count + n, self.limit, self.pinned) - cap
             new = (
                 mx.zeros((b, h, grow, keys.shape[3]), keys.dtype),
                 mx.zeros((b, h, grow, values.shape[3]), values.dtype),
@@ -253,15 +298,16 @@ class L2NormKVCache(_BaseCache):
         self.rank[:, :, start : self.count] = rank
 
     def _decode_over_budget(self, keys, values, rank):
-        rows = self.budget + 1
+        # Here count == limit: the spare slot after them takes the token.
+        rows = self.count + 1
         if self.free is None:
             if self.keys.shape[2] < rows:
                 self._append(keys, values, rank)  # fills the spare slot
                 self.count -= 1
             else:
-                self.keys[:, :, self.budget : rows] = keys
-                self.values[:, :, self.budget : rows] = values
-                self.rank[:, :, self.budget : rows] = rank
+                self.keys[:, :, self.count : rows] = keys
+                self.values[:, :, self.count : rows] = values
+                self.rank[:, :, self.count : rows] = rank
         else:
             slot = self.free[..., None, None]
             self.keys = mx.put_along_axis(self.keys, slot, keys, axis=2)
@@ -271,44 +317,46 @@ class L2NormKVCache(_BaseCache):
         self.free = mx.argmax(self._evict_key(self.rank[:, :, :rows]), axis=-1)
         return self.keys[:, :, :rows], self.values[:, :, :rows]
 
-    def _block_over_budget(self, keys, values, rank):
+    def _block_over_budget(self, keys, values, rank, limit: int):
         if self.keys is None:
             all_k, all_v, all_r = keys, values, rank
         else:
             all_k, all_v, all_r = (
                 mx.concatenate([a, b], axis=2) for a, b in zip(self.held(), (keys, values, rank))
             )
-        keep = mx.argpartition(self._evict_key(all_r), kth=self.budget - 1, axis=-1)[..., : self.budget]
+        keep = mx.argpartition(self._evict_key(all_r), kth=limit - 1, axis=-1)[..., :limit]
         b, h = keys.shape[:2]
         self.keys = mx.concatenate(
             [mx.take_along_axis(all_k, keep[..., None], axis=2), mx.zeros((b, h, 1, keys.shape[3]), keys.dtype)], axis=2)
         self.values = mx.concatenate(
             [mx.take_along_axis(all_v, keep[..., None], axis=2), mx.zeros((b, h, 1, values.shape[3]), values.dtype)], axis=2)
         self.rank = mx.concatenate([mx.take_along_axis(all_r, keep, axis=-1), mx.zeros((b, h, 1), mx.int64)], axis=2)
-        self.count, self.free = self.budget, None
+        self.count, self.free = limit, None
         return all_k, all_v
 
 
 @register_cache_class
-class BatchL2NormKVCache(_BaseCache):
-    """One layer's eviction cache for a batch of rows (see the module docstring)."""
+class BatchEvictionKVCache(_BaseCache):
+    """One layer's eviction cache for a batch of rows (see the module docstring).
+    Each row has its own spans (what it pins), so question rows, prompt rows and
+    rows whose instructions differ share one batch."""
 
     per_row_mask = True  # rows differ in what they hold: see mlx_compat.own_layer_masks
 
     def __init__(self, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
-                 keep: str = EvictionConfig.keep,
-                 batch_size: int = 0, pinned: Optional[Sequence[bool]] = None):
-        validate_eviction_args(budget, n_sink, recent, keep)
+                 keep: str = EvictionConfig.keep, coverage: float = 0.0,
+                 batch_size: int = 0, spans: Optional[Sequence[Spans]] = None):
+        validate_eviction_args(budget, n_sink, recent, keep, coverage)
         self.budget, self.n_sink, self.recent, self.keep = budget, n_sink, recent, keep
-        # Per row: a pinned row (a question over its compressed context) keeps every
-        # later token, so question rows and prompt rows can share one batch.
-        self.pinned: list[bool] = [False] * batch_size if pinned is None else [bool(p) for p in pinned]
+        self.coverage = float(coverage)
+        self.spans: list[Spans] = ([ALL_EVICTABLE] * batch_size if spans is None
+                                   else [check_spans(s) for s in spans])
         self.keys: Optional[mx.array] = None  # (B, H, capacity, D)
         self.values: Optional[mx.array] = None
         self.rank: Optional[mx.array] = None  # (B, H, capacity) int64
-        self.counts: list[int] = [0] * batch_size  # valid slots per row
-        self.seen: list[int] = [0] * batch_size  # true positions per row (RoPE offset)
-        self.holes: list[bool] = [False] * batch_size
+        self.counts: list[int] = [0] * len(self.spans)  # valid slots per row
+        self.seen: list[int] = [0] * len(self.spans)  # true positions per row (RoPE offset)
+        self.holes: list[bool] = [False] * len(self.spans)
         self.free: Optional[mx.array] = None  # (B, H) the hole of each (row, head)
         self._lengths: Optional[list[int]] = None  # prepare(): real tokens per row, padded call
         self._consumed = 0
@@ -326,7 +374,7 @@ class BatchL2NormKVCache(_BaseCache):
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
         """Before a right-padded prefill call: ``lengths`` real tokens per row."""
         if left_padding is not None and max(_as_list(left_padding), default=0) > 0:
-            raise ValueError("BatchL2NormKVCache takes right-padded prompts (mlx_lm's BatchGenerator), "
+            raise ValueError("BatchEvictionKVCache takes right-padded prompts (mlx_lm's BatchGenerator), "
                              "not left padding")
         if right_padding is not None and max(_as_list(right_padding), default=0) > 0:
             if lengths is None:
@@ -372,16 +420,14 @@ class BatchL2NormKVCache(_BaseCache):
                 self.key_sum = self.key_sum[sel]
             if self.free is not None:
                 self.free = self.free[sel]
-        self.counts = [self.counts[i] for i in idx]
-        self.seen = [self.seen[i] for i in idx]
-        self.holes = [self.holes[i] for i in idx]
-        self.pinned = [self.pinned[i] for i in idx]
+        for name in _ROW_LISTS:
+            setattr(self, name, [getattr(self, name)[i] for i in idx])
         self._sync_offset()
 
-    def extend(self, other: "BatchL2NormKVCache") -> None:
+    def extend(self, other: "BatchEvictionKVCache") -> None:
         """Append the rows of ``other`` (same settings) after this cache's rows."""
-        if not isinstance(other, BatchL2NormKVCache) or _settings(other) != _settings(self):
-            raise ValueError("can only extend with a BatchL2NormKVCache of the same settings")
+        if not isinstance(other, BatchEvictionKVCache) or _settings(other) != _settings(self):
+            raise ValueError("can only extend with a BatchEvictionKVCache of the same settings")
         if other.keys is not None or self.keys is not None:
             template = self if self.keys is not None else other
             shape = template.keys.shape
@@ -397,17 +443,15 @@ class BatchL2NormKVCache(_BaseCache):
             self.rank = mx.concatenate([self.rank, other.rank])
             if self.key_sum is not None:
                 self.key_sum = mx.concatenate([self.key_sum, other.key_sum])
-        self.counts += other.counts
-        self.seen += other.seen
-        self.holes += other.holes
-        self.pinned += other.pinned
+        for name in _ROW_LISTS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
         self._sync_offset()
 
-    def extract(self, idx: int) -> L2NormKVCache:
-        """Row ``idx`` as a single-row :class:`L2NormKVCache`."""
+    def extract(self, idx: int) -> EvictionKVCache:
+        """Row ``idx`` as a single-row :class:`EvictionKVCache`."""
         self._compact()
-        single = L2NormKVCache(self.budget, self.n_sink, self.recent, self.keep)
-        single.offset, single.count, single.pinned = self.seen[idx], self.counts[idx], self.pinned[idx]
+        single = EvictionKVCache(self.budget, self.n_sink, self.recent, self.keep, self.coverage, self.spans[idx])
+        single.offset, single.count = self.seen[idx], self.counts[idx]
         n = self.counts[idx]
         if self.keys is not None and n:
             single.keys = mx.contiguous(self.keys[idx : idx + 1, :, :n])
@@ -418,13 +462,13 @@ class BatchL2NormKVCache(_BaseCache):
         return single
 
     @classmethod
-    def merge(cls, caches: Sequence[Any]) -> "BatchL2NormKVCache":
-        """One batch cache from single-row ``L2NormKVCache`` layers of the same settings."""
+    def merge(cls, caches: Sequence[Any]) -> "BatchEvictionKVCache":
+        """One batch cache from single-row ``EvictionKVCache`` layers of the same settings."""
         first = caches[0]
         if any(_settings(c) != _settings(first) for c in caches):
-            raise ValueError("cannot batch eviction caches with different budget/n_sink/recent/keep")
-        out = cls(first.budget, first.n_sink, first.recent, first.keep, batch_size=len(caches),
-                  pinned=[c.pinned for c in caches])
+            raise ValueError("cannot batch eviction caches with different budget/n_sink/recent/keep/coverage")
+        out = cls(first.budget, first.n_sink, first.recent, first.keep, first.coverage, batch_size=len(caches),
+                  spans=[c.spans for c in caches])
         held = [c for c in caches if not c.empty() and c.count]
         out.seen = [c.offset for c in caches]
         out.counts = [0 if c.empty() else c.count for c in caches]
@@ -454,12 +498,29 @@ class BatchL2NormKVCache(_BaseCache):
 
     @property
     def state(self):
-        return self.keys, self.values, self.rank, self.offset
+        """Every array the cache holds and, as JSON, its settings and per-row
+        bookkeeping (counts, positions, holes, spans): a saved and loaded batch
+        cache continues exactly as the one saved."""
+        meta = {"budget": self.budget, "n_sink": self.n_sink, "recent": self.recent, "keep": self.keep,
+                "coverage": self.coverage, "counts": self.counts, "seen": self.seen, "holes": self.holes,
+                "spans": [list(map(list, s)) for s in self.spans]}
+        return self.keys, self.values, self.rank, self.free, self.key_sum, json.dumps(meta)
 
     @state.setter
     def state(self, v):
-        self.keys, self.values, self.rank, self.offset = v
-        self.seen = [int(x) for x in _as_list(self.offset)]
+        if len(v) != 6:
+            raise ValueError("this batch eviction cache was saved before 0.3, without its rows' counts and "
+                             "settings, so it cannot be restored; extract() its rows into single-row caches "
+                             "before saving")
+        self.keys, self.values, self.rank, self.free, self.key_sum, meta = v
+        meta = json.loads(meta)
+        self.budget, self.n_sink, self.recent, self.keep = meta["budget"], meta["n_sink"], meta["recent"], meta["keep"]
+        self.coverage = float(meta["coverage"])
+        self.counts, self.seen = list(meta["counts"]), list(meta["seen"])
+        self.holes = [bool(x) for x in meta["holes"]]
+        self.spans = [check_spans(s) for s in meta["spans"]]
+        self._lengths, self._consumed = None, 0
+        self._sync_offset()
 
     def size(self) -> int:
         return max(self.counts, default=0)
@@ -480,6 +541,10 @@ class BatchL2NormKVCache(_BaseCache):
         return 0
 
     # ---- internals -------------------------------------------------------------
+    def _limits(self) -> list[int]:
+        """Tokens each row may hold now: the budget plus its pinned tokens seen."""
+        return [self.budget + pinned_count(sp, self.n_sink, s) for sp, s in zip(self.spans, self.seen)]
+
     def _allocate(self, heads: int, dk: int, dv: int, dtype, capacity: int) -> None:
         b = self.batch_size
         self.keys = mx.zeros((b, heads, capacity, dk), dtype)
@@ -522,12 +587,13 @@ class BatchL2NormKVCache(_BaseCache):
             slot = mx.where(mx.array(self.holes)[:, None], self.free.astype(mx.int32), slot)
         need = max((c + 1 for c, hole in zip(self.counts, self.holes) if not hole), default=0)
         if need > self.keys.shape[2]:
-            self._grow_to(capacity(need, self.budget, any(self.pinned)))
+            self._grow_to(capacity(need, max(self._limits()) + 1, any(open_ended(s) for s in self.spans)))
         anchor = None
         if self.key_sum is not None:
             self.key_sum = self.key_sum + anchor_sum(keys)
             anchor = running_anchor(self.key_sum, [s + 1 for s in self.seen])
-        rank = block_ranks(self.keep, self.n_sink, keys, mx.array(self.seen, dtype=mx.int64), anchor)
+        rank = block_ranks(self.keep, self.n_sink, keys, mx.array(self.seen, dtype=mx.int64), anchor,
+                           span_array(self.spans))
         at = slot[..., None, None]
         self.keys = mx.put_along_axis(self.keys, at, keys, axis=2)
         self.values = mx.put_along_axis(self.values, at, values, axis=2)
@@ -536,9 +602,10 @@ class BatchL2NormKVCache(_BaseCache):
         self.seen = [s + 1 for s in self.seen]
         self._sync_offset()
         out = self.keys[:, :, :width], self.values[:, :, :width]
-        # Evict after attending: each over-budget (row, head) drops its worst rank into a hole.
-        over = [not pinned and c + 1 > self.budget for c, pinned in zip(self.counts, self.pinned)]
-        self.counts = [self.budget if o else c + 1 for c, o in zip(self.counts, over)]
+        # Evict after attending: each (row, head) over its limit drops its worst rank into a hole.
+        limits = self._limits()
+        over = [c + 1 > limit for c, limit in zip(self.counts, limits)]
+        self.counts = [limit if o else c + 1 for c, o, limit in zip(self.counts, over, limits)]
         if any(over):
             valid = mx.arange(width)[None, :] < (counts + 1)[:, None]  # (B, width)
             key = self._evict_key(self.rank[:, :, :width])
@@ -553,22 +620,23 @@ class BatchL2NormKVCache(_BaseCache):
         return out
 
     def _evict_key(self, rank: mx.array) -> mx.array:
-        """Ranks with each row's recent window protected (PAD stays PAD)."""
-        return evict_key(rank, mx.array(self.seen, dtype=mx.int64), self.recent)
+        """Ranks with each row's recent window and coverage positions protected (PAD stays PAD)."""
+        return evict_key(rank, self.seen, self.recent, cover_slots(self.budget, self.coverage))
 
     def _block(self, keys: mx.array, values: mx.array, real: list[int]):
         self._compact()
         b, h, n, _ = keys.shape
         width = max(self.counts, default=0)
+        spans = span_array(self.spans)
         anchor = None
         if self.key_sum is not None:
             self.key_sum = self.key_sum + anchor_sum(keys, mx.array(real))
             anchor = running_anchor(self.key_sum, [s + r for s, r in zip(self.seen, real)])
             if width and any(r > 1 for r in real):  # as a row alone: held keys re-scored when >1 token arrives
                 held = self.rank[:, :, :width]
-                again = rescore(self.keep, self.n_sink, self.keys[:, :, :width], held, anchor)
+                again = rescore(self.keep, self.n_sink, self.keys[:, :, :width], held, anchor, spans)
                 self.rank[:, :, :width] = mx.where(mx.array([r > 1 for r in real])[:, None, None], again, held)
-        rank = block_ranks(self.keep, self.n_sink, keys, mx.array(self.seen, dtype=mx.int64), anchor)
+        rank = block_ranks(self.keep, self.n_sink, keys, mx.array(self.seen, dtype=mx.int64), anchor, spans)
         if any(r < n for r in real):  # right padding: never kept, never counted
             is_pad = mx.arange(n)[None, :] >= mx.array(real)[:, None]
             rank = mx.where(is_pad[:, None, :], PAD, rank)
@@ -578,7 +646,7 @@ class BatchL2NormKVCache(_BaseCache):
         self.seen = [s + r for s, r in zip(self.seen, real)]
         self._sync_offset()
         total = [c + r for c, r in zip(self.counts, real)]
-        self.counts = [t if pinned else min(t, self.budget) for t, pinned in zip(total, self.pinned)]
+        self.counts = [min(t, limit) for t, limit in zip(total, self._limits())]
         keep = max(self.counts, default=0)
         order = mx.argsort(self._evict_key(all_r), axis=-1)[..., :keep]
         self.keys = mx.take_along_axis(all_k, order[..., None], axis=2)
@@ -590,8 +658,18 @@ class BatchL2NormKVCache(_BaseCache):
         return all_k, all_v
 
 
+_ROW_LISTS = ("counts", "seen", "holes", "spans")
+
+
 def _settings(c: Any) -> tuple:
-    return (c.budget, c.n_sink, c.recent, c.keep)
+    return (c.budget, c.n_sink, c.recent, c.keep, c.coverage)
+
+
+# The names before 0.3, when the cache held one rule: saved prompt caches name them.
+L2NormKVCache = EvictionKVCache
+BatchL2NormKVCache = BatchEvictionKVCache
+register_cache_class(EvictionKVCache, "L2NormKVCache")
+register_cache_class(BatchEvictionKVCache, "BatchL2NormKVCache")
 
 
 def _as_list(x: Any) -> list:
@@ -600,18 +678,22 @@ def _as_list(x: Any) -> list:
     return list(x)
 
 
-def make_eviction_cache(model: nn.Module, config: Union[EvictionConfig, ResolvedEviction, None] = None) -> list:
+def make_eviction_cache(model: nn.Module, config: Union[EvictionConfig, ResolvedEviction, None] = None,
+                        spans: Spans = ALL_EVICTABLE) -> list:
     """A fresh per-layer cache list: the model's own caches, with each layer the
     resolved config compresses (a plain full-attention ``KVCache`` outside
-    ``skip_layers``) replaced by an ``L2NormKVCache``. Rotating (sliding-window)
-    and non-attention caches stay. ``config`` may be given resolved
-    (:meth:`EvictionConfig.for_model`); it is then taken as it is."""
+    ``skip_layers``) replaced by an :class:`EvictionKVCache`. Rotating
+    (sliding-window) and non-attention caches stay. ``config`` may be given
+    resolved (:meth:`EvictionConfig.for_model`); it is then taken as it is.
+    ``spans``: the positions of the row's document (everything else is pinned;
+    :func:`knorm_gen.prompts.encode_with_spans`)."""
     caches = make_prompt_cache(model)
     if not isinstance(config, ResolvedEviction):
         config = (config or EvictionConfig()).for_model(model)
     if config.n_layers != len(caches):
         raise ValueError(f"these settings were resolved for a model of {config.n_layers} layers, not {len(caches)}")
-    return [c if plan is None else L2NormKVCache(plan[0], config.n_sink, plan[1], config.keep)
+    return [c if plan is None else EvictionKVCache(plan[0], config.n_sink, plan[1], config.keep, config.coverage,
+                                                   spans)
             for c, plan in zip(caches, config.layers)]
 
 
@@ -627,7 +709,7 @@ def copy_caches(caches: Sequence[Any]) -> list:
 
     out = []
     for c in caches:
-        if isinstance(c, L2NormKVCache):
+        if isinstance(c, EvictionKVCache):
             out.append(c.copy())
             continue
         new = copy.copy(c)
@@ -635,3 +717,12 @@ def copy_caches(caches: Sequence[Any]) -> list:
             setattr(new, name, dup(value))
         out.append(new)
     return out
+
+
+def pin_caches(caches: Sequence[Any]) -> list:
+    """``caches`` with every later token pinned in each eviction layer (a question
+    and its answer over a compressed context); returns the list."""
+    for c in caches:
+        if isinstance(c, EvictionKVCache):
+            c.pin()
+    return list(caches)

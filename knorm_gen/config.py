@@ -66,8 +66,9 @@ def _finite_float(value: Any) -> bool:
         return False
 
 
-def validate_eviction_args(budget: Any, n_sink: Any, recent: Any, keep: Any) -> None:
+def validate_eviction_args(budget: Any, n_sink: Any, recent: Any, keep: Any, coverage: Any = 0.0) -> None:
     """Raise ValueError naming the field when an eviction setting is invalid."""
+    check_coverage(coverage)
     for name, value in (("budget", budget), ("n_sink", n_sink), ("recent", recent)):
         if not _is_int(value):
             raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -77,13 +78,21 @@ def validate_eviction_args(budget: Any, n_sink: Any, recent: Any, keep: Any) -> 
         raise ValueError(f"n_sink must be >= 0, got {n_sink}")
     if recent < 0:
         raise ValueError(f"recent must be >= 0, got {recent}")
-    if n_sink + recent >= budget:
+    covered = int(coverage * budget)
+    if n_sink + recent + covered >= budget:
         raise ValueError(
-            f"n_sink + recent must be < budget (got n_sink={n_sink}, recent={recent}, "
-            f"budget={budget}): nothing would be left to choose by key norm"
-        )
+            f"n_sink + recent{' + coverage x budget' if covered else ''} must be < budget (got n_sink={n_sink}, "
+            f"recent={recent}, {f'coverage={coverage}, ' if covered else ''}budget={budget}): nothing would be left "
+            f"for the rule to choose; raise --budget or lower --recent / --n-sink / --coverage")
     if keep not in KEEP_MODES:
         raise ValueError(f"keep must be one of {', '.join(KEEP_MODES)}; got {keep!r}")
+
+
+def check_coverage(coverage: Any) -> float:
+    """``coverage`` as a float in [0, 1), or ValueError."""
+    if isinstance(coverage, bool) or not isinstance(coverage, (int, float)) or not 0 <= coverage < 1:
+        raise ValueError(f"coverage must be a share from 0 to below 1 (e.g. 0.25), got {coverage!r}")
+    return float(coverage)
 
 
 def _layer_index(i: Any, what: str) -> int:
@@ -229,6 +238,9 @@ class EvictionConfig:
     layer_budgets: Optional[Mapping[int, int]] = _setting(
         None, "Per-layer budgets overriding --budget, e.g. '2-8:1024,20:256'.", parse=parse_layer_budgets,
         metavar="LAYERS:INT,...")
+    coverage: float = _setting(
+        0.0, "Share of each layer's budget kept evenly spread over the positions seen (0 = none); the rest goes "
+        "by the rule. Keeps what a summary needs beside what the rule keeps.", metavar="SHARE")
     early_factor: Optional[int] = _setting(
         None, "Bound every layer: nothing skipped, the first 30% of the full-attention layers hold N x --budget "
         "(8: a memory ceiling at about today's retrieval; README, Results).")
@@ -241,8 +253,10 @@ class EvictionConfig:
                                tuple(_layer_index(i, "skip_layers") for i in self.skip_layers))
         if self.recent is not None and not _is_int(self.recent):
             raise ValueError(f"recent must be an integer, got {self.recent!r}")
+        object.__setattr__(self, "coverage", check_coverage(self.coverage))
         if self.budget is not None:
-            validate_eviction_args(self.budget, self.n_sink, self.layer_recent(self.budget), self.keep)
+            validate_eviction_args(self.budget, self.n_sink, self.layer_recent(self.budget), self.keep,
+                                   self.coverage)
         elif self.keep not in KEEP_MODES:
             raise ValueError(f"keep must be one of {', '.join(KEEP_MODES)}; got {self.keep!r}")
         if self.layer_budgets is not None:
@@ -251,7 +265,8 @@ class EvictionConfig:
             budgets = {_layer_index(k, "layer_budgets"): v for k, v in self.layer_budgets.items()}
             for layer, b in budgets.items():
                 try:
-                    validate_eviction_args(b, self.n_sink, self.layer_recent(b) if _is_int(b) else 0, self.keep)
+                    validate_eviction_args(b, self.n_sink, self.layer_recent(b) if _is_int(b) else 0, self.keep,
+                                           self.coverage)
                 except ValueError as e:
                     raise ValueError(f"layer_budgets[{layer}]: {e}") from None
             object.__setattr__(self, "layer_budgets", budgets or None)
@@ -303,7 +318,7 @@ class EvictionConfig:
                     plan[i] = (b, self.layer_recent(b))
         base_recent = self.recent if self.recent is not None else auto_recent(self.budget) if self.budget else 0
         return ResolvedEviction(self.budget, self.n_sink, base_recent, self.keep, tuple(skip), budgets or None,
-                                n_layers, full, tuple(plan))
+                                n_layers, full, tuple(plan), self.coverage)
 
     def to_dict(self) -> dict:
         """JSON-ready: ``skip_layers`` as a list (or None); ``layer_budgets`` and
@@ -312,6 +327,8 @@ class EvictionConfig:
         d["skip_layers"] = None if self.skip_layers is None else list(self.skip_layers)
         if self.early_factor is None:  # records made before the field existed keep their fingerprints
             d.pop("early_factor")
+        if not self.coverage:
+            d.pop("coverage")
         if self.layer_budgets is None:
             d.pop("layer_budgets")
         else:
@@ -320,7 +337,7 @@ class EvictionConfig:
 
     def __hash__(self) -> int:
         return hash((self.budget, self.n_sink, self.recent, self.keep, self.skip_layers,
-                     tuple(sorted((self.layer_budgets or {}).items())), self.early_factor))
+                     tuple(sorted((self.layer_budgets or {}).items())), self.early_factor, self.coverage))
 
 
 @dataclass(frozen=True)
@@ -340,6 +357,7 @@ class ResolvedEviction:
     n_layers: int
     full_layers: tuple[int, ...]
     layers: tuple[Optional[tuple[int, int]], ...]
+    coverage: float = 0.0
 
     def to_dict(self) -> dict:
         """The ``config`` records and results report (the same keys as ever:
@@ -348,10 +366,12 @@ class ResolvedEviction:
              "skip_layers": list(self.skip_layers)}
         if self.layer_budgets is not None:
             d["layer_budgets"] = {str(k): v for k, v in sorted(self.layer_budgets.items())}
+        if self.coverage:
+            d["coverage"] = self.coverage
         return d
 
     def __hash__(self) -> int:
-        return hash((self.n_sink, self.keep, self.layers))
+        return hash((self.n_sink, self.keep, self.layers, self.coverage))
 
 
 # ---- generation ----------------------------------------------------------------
@@ -395,6 +415,10 @@ class GenerationConfig:
     system_prompt: Optional[str] = _setting(None, "A system message before each row's prompt (chat template only).")
     parse_special_tokens: bool = _setting(False, "Parse special-token spellings in user text (<|im_end|>) as "
                                                  "control tokens; by default they are text.")
+    pin_prefix_chars: int = _setting(0, "Characters at the start of each user text (a row's prompt or context) "
+                                        "pinned with the instructions: an instruction written before the document "
+                                        "('Summarize the following...'). The template, system turn, question and "
+                                        "answer are always pinned.", metavar="CHARS")
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -423,6 +447,8 @@ class GenerationConfig:
         self._check_sampling()
         if not isinstance(self.parse_special_tokens, bool):
             raise ValueError(f"parse_special_tokens must be true or false, got {self.parse_special_tokens!r}")
+        if not _is_int(self.pin_prefix_chars) or self.pin_prefix_chars < 0:
+            raise ValueError(f"pin_prefix_chars must be an integer >= 0, got {self.pin_prefix_chars!r}")
 
     def _check_sampling(self) -> None:
         if not _is_int(self.top_k) or self.top_k < 0:
@@ -448,7 +474,7 @@ class GenerationConfig:
 
 
 _LATER_GENERATION_FIELDS = ("top_k", "min_p", "repetition_penalty", "repetition_context_size", "system_prompt",
-                            "parse_special_tokens")
+                            "parse_special_tokens", "pin_prefix_chars")
 
 
 @dataclass(frozen=True)

@@ -27,15 +27,25 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from .cache import L2NormKVCache, copy_caches, make_eviction_cache
+from .cache import copy_caches, make_eviction_cache, pin_caches
 from .config import DEFAULT_PREFILL_STEP, GenerationConfig, ResolvedEviction, settings_dict
 from .memory import KVMemory, KVMemoryExceeded, KVNeed, batch_bytes, kv_memory, mib, sequence_need
 from .mlx_compat import generator_step, own_layer_masks
 from .prompts import as_tokenizer
+from .scores import ALL_EVICTABLE, Spans, pinned_count
 from .results import GenerationResult
 
 DEFAULT_BATCH_SIZE = 8
 """Rows decoded together by default (benchmarks/bench_batch.py; README, Results)."""
+
+
+def prefill(model: Any, ids: Sequence[int], caches: list, step: int = DEFAULT_PREFILL_STEP) -> list:
+    """Feed ``ids`` through ``caches`` in ``step``-token blocks, as the product
+    prefills a context (later blocks attend only to what earlier ones kept)."""
+    for start in range(0, len(ids), step):
+        model(mx.array(ids[start : start + step])[None], cache=caches)
+        mx.eval([c.state for c in caches])
+    return caches
 
 
 def make_row_sampler(generation: GenerationConfig):
@@ -63,6 +73,7 @@ class _Sequence:
     decode_s: float = 0.0
     done_prompt: int = 0
     tokens: list[int] = field(default_factory=list)
+    max_tokens: Optional[int] = None
 
 
 class BatchEngine:
@@ -105,40 +116,37 @@ class BatchEngine:
         return len(self._rows)
 
     def add(self, key: Hashable, ids: Sequence[int], generation: GenerationConfig, *,
-            caches: Optional[list] = None, prompt_tokens: Optional[int] = None, question: Optional[str] = None,
-            context_prefill_s: Optional[float] = None) -> None:
-        """Queue a sequence: ``ids`` to feed (after ``caches``' history, if given)."""
+            caches: Optional[list] = None, spans: Spans = ALL_EVICTABLE, prompt_tokens: Optional[int] = None,
+            question: Optional[str] = None, context_prefill_s: Optional[float] = None) -> None:
+        """Queue a sequence: ``ids`` to feed (after ``caches``' history, if given;
+        else through fresh caches that may evict only the positions in ``spans``)."""
         (uid,) = self._gen.insert(
             [list(ids)], max_tokens=[generation.max_tokens],
-            caches=[caches if caches is not None else make_eviction_cache(self.model, self.eviction)],
+            caches=[caches if caches is not None else make_eviction_cache(self.model, self.eviction, spans)],
             samplers=[make_row_sampler(generation)], logits_processors=[make_row_processors(generation)],
         )
         self._rows[uid] = _Sequence(key, settings_dict(self.eviction, generation),
                                     prompt_tokens if prompt_tokens is not None else len(ids), question,
-                                    context_prefill_s, prefill_s=context_prefill_s or 0.0)
+                                    context_prefill_s, prefill_s=context_prefill_s or 0.0,
+                                    max_tokens=generation.max_tokens)
 
-    def prefill_context(self, ids: Sequence[int]) -> tuple[list, float]:
+    def prefill_context(self, ids: Sequence[int], spans: Spans = ALL_EVICTABLE) -> tuple[list, float]:
         """A context compressed once through a fresh cache list, in blocks: ``(caches, seconds)``."""
-        caches = make_eviction_cache(self.model, self.eviction)
+        caches = make_eviction_cache(self.model, self.eviction, spans)
         tic = time.perf_counter()
-        step = self.prefill_step_size
-        for start in range(0, len(ids), step):
-            self.model(mx.array(ids[start : start + step])[None], cache=caches)
-            mx.eval([c.state for c in caches])
+        prefill(self.model, ids, caches, self.prefill_step_size)
         return caches, time.perf_counter() - tic
 
     def add_questions(self, key: Hashable, context_ids: Sequence[int], questions: Sequence[str],
-                      question_ids: Sequence[Sequence[int]], generation: GenerationConfig) -> None:
-        """Prefill a context once, then queue one sequence per question (key ``(key, i)``)
-        with its own pinned copy: question and answer tokens are never evicted."""
-        caches, context_s = self.prefill_context(context_ids)
+                      question_ids: Sequence[Sequence[int]], generation: GenerationConfig,
+                      spans: Spans = ALL_EVICTABLE) -> None:
+        """Prefill a context once (``spans``: the document's positions in it), then
+        queue one sequence per question (key ``(key, i)``) with its own pinned copy:
+        question and answer tokens are never evicted."""
+        caches, context_s = self.prefill_context(context_ids, spans)
         for i, (q, ids) in enumerate(zip(questions, question_ids)):
-            own = copy_caches(caches)
-            for c in own:
-                if isinstance(c, L2NormKVCache):
-                    c.pin()
-            self.add((key, i), ids, generation, caches=own, prompt_tokens=len(context_ids) + len(ids),
-                     question=q, context_prefill_s=context_s)
+            self.add((key, i), ids, generation, caches=pin_caches(copy_caches(caches)),
+                     prompt_tokens=len(context_ids) + len(ids), question=q, context_prefill_s=context_s)
 
     def step(self) -> list[tuple[Hashable, GenerationResult]]:
         """One generator step; the sequences that finished in it."""
@@ -190,6 +198,7 @@ class BatchEngine:
         n = len(row.tokens)
         return GenerationResult.from_caches(
             caches,
+            max_tokens=row.max_tokens,
             text=detok.text,
             finish_reason=finish_reason,
             prompt_tokens=row.prompt_tokens,
@@ -223,6 +232,12 @@ class Job:
     questions: Sequence[str] = ()
     question_ids: Sequence[Sequence[int]] = ()
     tag: Any = None
+    spans: Spans = ALL_EVICTABLE
+    """The document's positions in ``ids`` or ``context_ids``; the rest is pinned."""
+
+    def __post_init__(self):
+        if self.ids is None and self.spans == ALL_EVICTABLE:  # the questions and answers are never the document
+            self.spans = ((0, len(self.context_ids)),)
 
     @property
     def sequences(self) -> int:
@@ -262,10 +277,13 @@ class KVLimit:
     def needs(self, job: "Job") -> list[KVNeed]:
         """One need per sequence of the job."""
         memory, max_tokens = self.memory(job.eviction), job.generation.max_tokens
+
+        def need(tokens: int) -> KVNeed:
+            return sequence_need(memory, tokens, pinned=pinned_count(job.spans, job.eviction.n_sink, tokens))
+
         if job.ids is not None:
-            return [sequence_need(memory, len(job.ids) + max_tokens)]
-        n = len(job.context_ids)
-        return [sequence_need(memory, n + len(q) + max_tokens, pinned=len(q) + max_tokens) for q in job.question_ids]
+            return [need(len(job.ids) + max_tokens)]
+        return [need(len(job.context_ids) + len(q) + max_tokens) for q in job.question_ids]
 
     def bytes_with(self, job: Optional["Job"] = None, *, alone: bool = False) -> int:
         """KV bytes the sequences in flight (none when ``alone``) plus ``job``'s can reach."""
@@ -385,9 +403,10 @@ def run_jobs(model: Any, tokenizer: Any, jobs: Iterable[Job], *, batch_size: int
         flight[job.key] = (job, [None] * job.sequences)
         try:
             if job.ids is not None:
-                engine.add((job.key, 0), job.ids, job.generation)
+                engine.add((job.key, 0), job.ids, job.generation, spans=job.spans)
             else:
-                engine.add_questions(job.key, job.context_ids, job.questions, job.question_ids, job.generation)
+                engine.add_questions(job.key, job.context_ids, job.questions, job.question_ids, job.generation,
+                                     job.spans)
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 - a context whose prefill fails is that job's failure

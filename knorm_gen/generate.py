@@ -13,7 +13,7 @@ from mlx_lm.generate import stream_generate
 from .cache import make_eviction_cache
 from .config import EvictionConfig, GenerationConfig, ResolvedEviction, make_configs, settings_dict
 from .engine import DEFAULT_BATCH_SIZE, Job, make_row_processors, make_row_sampler, run_jobs
-from .prompts import Prompt, as_tokenizer, check_length, encode_prompt, question_prompts
+from .prompts import Prompt, as_tokenizer, has_chat_template, check_length, context_spans, encode_with_spans, question_prompts
 from .results import GenerationResult
 
 __all__ = [
@@ -38,6 +38,10 @@ def resolve_settings(model: Any, eviction: Eviction, generation: Optional[Genera
     return eviction.for_model(model), generation
 
 
+def _chat(tokenizer: Any, generation: GenerationConfig) -> bool:
+    return has_chat_template(tokenizer) if generation.chat is None else generation.chat
+
+
 def _stream_ids(model, tok, ids, caches, *, generation: GenerationConfig, config: dict,
                 prompt_tokens: int) -> Iterator[Union[str, GenerationResult]]:
     """Drive mlx_lm's stream_generate over ``caches``; yield text, then the result."""
@@ -60,6 +64,7 @@ def _stream_ids(model, tok, ids, caches, *, generation: GenerationConfig, config
     end = time.perf_counter()
     yield GenerationResult.from_caches(
         caches,
+        max_tokens=generation.max_tokens,
         text="".join(pieces),
         finish_reason=last.finish_reason,
         prompt_tokens=prompt_tokens,
@@ -87,15 +92,19 @@ def stream_with_eviction(
     decoded and ends with the :class:`GenerationResult`."""
     eviction, generation = resolve_settings(model, eviction, generation, settings)
     tok = as_tokenizer(tokenizer)
-    ids = encode_prompt(tok, prompt, generation.chat, generation.system_prompt,
-                        special=generation.parse_special_tokens)
-    check_length(model, len(ids))
+    yield from stream_job(model, tok, prompt_job(model, tok, 0, prompt, eviction, generation))
+
+
+def stream_job(model: Any, tokenizer: Any, job: Job) -> Iterator[Union[str, GenerationResult]]:
+    """A prompt :class:`~knorm_gen.engine.Job` alone on mlx_lm's ``stream_generate``:
+    text pieces, then the result."""
+    generation = job.generation
     if generation.seed is not None:
         mx.random.seed(generation.seed)
     mx.reset_peak_memory()
-    caches = make_eviction_cache(model, eviction)
-    yield from _stream_ids(model, tok, ids, caches, generation=generation,
-                           config=settings_dict(eviction, generation), prompt_tokens=len(ids))
+    caches = make_eviction_cache(model, job.eviction, job.spans)
+    yield from _stream_ids(model, as_tokenizer(tokenizer), job.ids, caches, generation=generation,
+                           config=settings_dict(job.eviction, generation), prompt_tokens=len(job.ids))
 
 
 def generate_with_eviction(
@@ -143,10 +152,7 @@ def stream_batch_with_eviction(
 
     def jobs() -> Iterator[Job]:
         for index, prompt in enumerate(prompts):
-            ids = encode_prompt(tok, prompt, generation.chat, generation.system_prompt,
-                                special=generation.parse_special_tokens)
-            check_length(model, len(ids))
-            yield Job(index, eviction, generation, ids=ids)
+            yield prompt_job(model, tok, index, prompt, eviction, generation)
 
     for job, (result,) in run_jobs(model, tok, jobs(), batch_size=batch_size, seed=generation.seed):
         yield job.key, result
@@ -216,10 +222,32 @@ def answer_questions(
     """
     eviction, generation = resolve_settings(model, eviction, generation, settings)
     tok = as_tokenizer(tokenizer)
-    questions, context_ids, question_ids = question_prompts(
-        model, tok, context, questions, chat=generation.chat, question_separator=generation.question_separator,
-        system_prompt=generation.system_prompt, special=generation.parse_special_tokens)
-    job = Job("context", eviction, generation, context_ids=context_ids, questions=questions,
-              question_ids=question_ids)
+    job = question_job(model, tok, "context", context, questions, eviction, generation)
     ((_, results),) = run_jobs(model, tok, [job], batch_size=batch_size, seed=generation.seed)
     return results
+
+
+def prompt_job(model: Any, tokenizer: Any, key: Any, prompt: Prompt, eviction: ResolvedEviction,
+               generation: GenerationConfig, tag: Any = None) -> Job:
+    """A :class:`~knorm_gen.engine.Job` for one prompt: its ids, checked against the
+    model context, and the document's positions in them (the rest is pinned)."""
+    ids, spans = encode_with_spans(tokenizer, prompt, generation.chat, generation.system_prompt,
+                                   special=generation.parse_special_tokens,
+                                   pin_prefix_chars=generation.pin_prefix_chars)
+    check_length(model, len(ids))
+    return Job(key, eviction, generation, ids=ids, spans=spans, tag=tag)
+
+
+def question_job(model: Any, tokenizer: Any, key: Any, context: str, questions: Sequence[str],
+                 eviction: ResolvedEviction, generation: GenerationConfig, tag: Any = None) -> Job:
+    """A :class:`~knorm_gen.engine.Job` for a context and its questions: the shared
+    context ids, each question's ids, and the document's positions in the context
+    (its template, system turn, questions and answers are pinned)."""
+    questions, context_ids, question_ids = question_prompts(
+        model, tokenizer, context, questions, chat=generation.chat, question_separator=generation.question_separator,
+        system_prompt=generation.system_prompt, special=generation.parse_special_tokens)
+    spans = context_spans(tokenizer, context, context_ids, chat=_chat(tokenizer, generation),
+                          system_prompt=generation.system_prompt, special=generation.parse_special_tokens,
+                          pin_prefix_chars=generation.pin_prefix_chars)
+    return Job(key, eviction, generation, context_ids=context_ids, questions=questions, question_ids=question_ids,
+               spans=spans, tag=tag)

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import L2NormKVCache, make_eviction_cache
+from .cache import EvictionKVCache, make_eviction_cache
 from .config import EvictionConfig, ResolvedEviction
 from .mlx_compat import KVCache
 
@@ -24,9 +24,11 @@ from .mlx_compat import KVCache
 class CacheStats:
     """Totals over a cache list. Bytes are keys + values over all layers.
 
-    ``ceiling_bytes`` is the most this cache list can ever hold whatever the
-    input length, or None when a layer keeps every token (a plain ``KVCache``,
-    e.g. a skipped layer): then memory grows with the input.
+    ``ceiling_bytes`` is the most this cache list can ever hold for its row
+    (the budget plus the row's pinned tokens: its instructions, question and
+    answer), or None when a layer keeps every token (a plain ``KVCache``, e.g. a
+    skipped layer): then memory grows with the input. ``tokens_pinned`` are the
+    tokens a compressed layer holds on top of its budget.
     """
 
     tokens_seen: int
@@ -35,6 +37,7 @@ class CacheStats:
     full_bytes: int
     compressed_layers: int
     ceiling_bytes: Optional[int] = None
+    tokens_pinned: int = 0
 
     @property
     def compression_ratio(self) -> float:
@@ -43,7 +46,7 @@ class CacheStats:
 
 def _layer_bytes(c: Any) -> tuple[int, int, int, int]:
     """(tokens_seen, kept_bytes, full_bytes, bytes per position) of one layer's cache."""
-    if isinstance(c, L2NormKVCache):
+    if isinstance(c, EvictionKVCache):
         return c.tokens_seen, c.kept_bytes, c.full_bytes, c.bytes_per_position()
     keys = getattr(c, "keys", None)
     offset = getattr(c, "offset", None)
@@ -54,37 +57,42 @@ def _layer_bytes(c: Any) -> tuple[int, int, int, int]:
     return (offset or 0), nbytes, nbytes, 0
 
 
-def layer_capacity(c: Any) -> Optional[int]:
+def layer_capacity(c: Any, seen: Optional[int] = None) -> Optional[int]:
     """Positions a layer's cache can ever hold (None: every token, no ceiling).
-    A pinned eviction cache (a question over a compressed context) counts at its
-    budget: the question and answer tokens come on top."""
-    if isinstance(c, L2NormKVCache):
-        return c.budget
+    An eviction cache counts at its budget plus the row's pinned tokens among the
+    first ``seen`` positions (default: those fed so far; give the prompt plus
+    ``max_tokens`` for the most the row can reach)."""
+    if isinstance(c, EvictionKVCache):
+        return c.limit_at(c.offset if seen is None else max(seen, c.offset))
     max_size = getattr(c, "max_size", None)  # RotatingKVCache: a sliding window
     if isinstance(max_size, int):
         return max_size
     return None if isinstance(c, KVCache) else 0
 
 
-def cache_stats(caches: Iterable[Any]) -> CacheStats:
-    """Honest accounting over every layer (skipped layers count at full size)."""
-    seen = kept = kept_b = full_b = compressed = ceiling = 0
+def cache_stats(caches: Iterable[Any], ceiling_at: Optional[int] = None) -> CacheStats:
+    """Honest accounting over every layer (skipped layers count at full size).
+    ``ceiling_at``: the positions the row can reach (prompt plus ``max_tokens``),
+    for its ceiling; default, those fed so far."""
+    seen = kept = kept_b = full_b = compressed = ceiling = pinned = 0
     bounded = True
     for c in caches:
         s, kb, fb, row = _layer_bytes(c)
         seen = max(seen, s)
         kept_b += kb
         full_b += fb
-        cap = layer_capacity(c)
+        cap = layer_capacity(c, ceiling_at)
         if cap is None:
             bounded = False
         else:
             ceiling += cap * row if row else kb
-        if isinstance(c, L2NormKVCache):
+        if isinstance(c, EvictionKVCache):
             compressed += 1
             # the fewest: the layers at the base budget (layer_budgets may give others more)
             kept = c.tokens_kept if compressed == 1 else min(kept, c.tokens_kept)
-    return CacheStats(seen, kept if compressed else seen, kept_b, full_b, compressed, ceiling if bounded else None)
+            pinned = c.tokens_pinned
+    return CacheStats(seen, kept if compressed else seen, kept_b, full_b, compressed, ceiling if bounded else None,
+                      pinned)
 
 
 @dataclass
@@ -111,9 +119,16 @@ class KVMemory:
         """KV bytes held after ``tokens`` positions."""
         return sum(row * (tokens if cap is None else min(tokens, cap)) for row, cap in self.layers)
 
+    @property
+    def pinned_bytes_per_token(self) -> int:
+        """Bytes each pinned token (instruction, question, answer) adds on top of a bounded layer's budget."""
+        return sum(row for row, cap in self.layers if cap is not None and cap > 0)
+
     def describe(self) -> str:
         if self.ceiling_bytes is not None:
-            return f"KV memory per row: at most {self.ceiling_bytes / 2**20:.1f} MiB, whatever the input length"
+            return (f"KV memory per row: at most {self.ceiling_bytes / 2**20:.1f} MiB for the document whatever its "
+                    f"length, plus {self.pinned_bytes_per_token / 1024:.1f} KiB per pinned token (the instructions, "
+                    f"question and answer); each record's kv_ceiling_bytes is its row's own")
         grow = [i for i, (_, cap) in enumerate(self.layers) if cap is None]
         return (f"KV memory per row: no ceiling: {len(grow)} of {len(self.layers)} layers keep every token "
                 f"(+{self.growth_bytes_per_token / 1024:.1f} KiB per token; "

@@ -80,10 +80,12 @@ def missing_mlx_lm_protocol() -> list[str]:
     return missing
 
 
-def register_cache_class(cls: type) -> type:
+def register_cache_class(cls: type, *aliases: str) -> type:
     """Make ``load_prompt_cache`` find ``cls``: it rebuilds caches by class name
-    from mlx_lm's cache module."""
-    setattr(_mlx_cache, cls.__name__, cls)
+    from mlx_lm's cache module (``aliases``: earlier names of the class, which
+    saved caches still carry)."""
+    for name in (cls.__name__, *aliases):
+        setattr(_mlx_cache, name, cls)
     return cls
 
 

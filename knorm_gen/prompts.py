@@ -13,6 +13,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .config import DEFAULT_QUESTION_SEPARATOR
 from .models import model_context_length
+from .scores import ALL_EVICTABLE, NO_END, Spans
 
 Prompt = Union[str, Sequence[int], mx.array, Sequence[dict]]
 
@@ -65,6 +66,61 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, chat: Optional[bool] = None, s
     if len(ids) == 0:
         raise ValueError("prompt is empty")
     return list(ids)
+
+
+DOCUMENT_ROLES = ("user", "assistant")
+"""Message roles whose content is the document (evictable); every other role's
+content (``system``, ``developer``, ``tool``) and the template around them are pinned."""
+
+
+def encode_with_spans(tokenizer: Any, prompt: Prompt, chat: Optional[bool] = None,
+                      system_prompt: Optional[str] = None, *, special: bool = False,
+                      pin_prefix_chars: int = 0) -> tuple[list[int], Spans]:
+    """``(ids, spans)``: :func:`encode_prompt`'s ids, and the position ranges of the
+    document in them, the only positions eviction may drop.
+
+    Through the chat template the document is the content of the user and
+    assistant messages (a text prompt is one user message); the template's
+    markup, the system turn and everything after the last such content (the
+    generation prompt and the answer) are pinned, as are the first
+    ``pin_prefix_chars`` characters of each user message (an instruction written
+    before the document). Without the template (completion style, token ids)
+    there is no instruction to tell apart: the whole prompt and the answer are
+    evictable, the sinks aside. A token the template's text shares with the
+    content (a BPE merge across the boundary) is pinned."""
+    ids = encode_prompt(tokenizer, prompt, chat, system_prompt, special=special)
+    if isinstance(prompt, str):
+        if not (has_chat_template(tokenizer) if chat is None else chat):
+            return ids, ALL_EVICTABLE
+        messages = with_system_prompt([{"role": "user", "content": prompt}], system_prompt)
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        messages = with_system_prompt(prompt, system_prompt)
+    else:
+        return ids, ALL_EVICTABLE
+    spans = []
+    for i, m in enumerate(messages):
+        if m.get("role") not in DOCUMENT_ROLES or not isinstance(m.get("content"), str) or not m["content"]:
+            continue
+        lead = m["content"][:pin_prefix_chars] if m["role"] == "user" else ""
+        start = _common_prefix(ids, _ids_before_marker(tokenizer, messages, i, lead, special))
+        end = _common_prefix(ids, _ids_before_marker(tokenizer, messages, i, m["content"], special))
+        if end > start:
+            spans.append((start, end))
+    return ids, tuple(spans)
+
+
+_MARKER = "\x00KNORM_MARK\x00"
+
+
+def _ids_before_marker(tokenizer: Any, messages: Sequence[dict], index: int, text: str, special: bool) -> list[int]:
+    """Token ids of the rendered chat up to where message ``index``'s content,
+    replaced by ``text``, ends."""
+    marked = [dict(m) for m in messages]
+    marked[index]["content"] = text + _MARKER
+    if not special and _holds_special(tokenizer, [m[k] for m in marked for k in ("role", "content")]):
+        return _render_as_text(tokenizer, marked, until=_MARKER)
+    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(rendered[: rendered.index(_MARKER)], add_special_tokens=False))
 
 
 def _encode_messages(tokenizer: Any, messages: Sequence[dict], chat: Optional[bool], special: bool = False) -> list[int]:
@@ -223,11 +279,28 @@ def split_question_prompts(
     return wholes[0][:n], [w[n:] for w in wholes]
 
 
+def context_spans(tokenizer: Any, context: str, context_ids: Sequence[int], *, chat: bool,
+                  system_prompt: Optional[str] = None, special: bool = False, pin_prefix_chars: int = 0) -> Spans:
+    """The document's positions in ``context_ids`` (:func:`split_question_prompts`'
+    shared part): everything before the context's text (template, system turn,
+    user-turn header, the first ``pin_prefix_chars`` characters) is pinned, and
+    so is everything after ``context_ids`` (separator, question, answer)."""
+    start = 0
+    if chat:
+        messages = with_system_prompt([{"role": "user", "content": context}], system_prompt)
+        start = _common_prefix(context_ids, _ids_before_marker(tokenizer, messages, len(messages) - 1,
+                                                               context[:pin_prefix_chars], special))
+    elif pin_prefix_chars:
+        start = _common_prefix(context_ids, encode_text(tokenizer, context[:pin_prefix_chars], special=special))
+    return ((start, len(context_ids)),) if len(context_ids) > start else ()
+
+
 def question_prompts(model: Any, tokenizer: Any, context: Any, questions: Any, *, chat: Optional[bool],
                      question_separator: str, system_prompt: Optional[str] = None,
                      special: bool = False) -> tuple[list[str], list[int], list[list[int]]]:
     """``(questions, context_ids, question_ids)`` for a context and its questions,
-    validated (ValueError names the problem) and checked against the model context."""
+    validated (ValueError names the problem) and checked against the model context.
+    :func:`context_spans` tells where the document lies in ``context_ids``."""
     if not isinstance(context, str) or not context.strip():
         raise ValueError("context is empty")
     if isinstance(questions, str):

@@ -34,8 +34,8 @@ ERROR_TYPES = (INVALID_UTF8, INVALID_JSON, LINE_TOO_LONG, INVALID_ROW, DUPLICATE
                KV_MEMORY_EXCEEDED, GENERATION_ERROR)
 
 STATS_FIELDS = (
-    "finish_reason", "prompt_tokens", "generated_tokens", "tokens_seen", "tokens_kept", "compression_ratio",
-    "kept_bytes", "full_bytes", "kv_ceiling_bytes", "prefill_s", "decode_s", "prompt_tps", "generation_tps",
+    "finish_reason", "prompt_tokens", "generated_tokens", "tokens_seen", "tokens_kept", "tokens_pinned",
+    "compression_ratio", "kept_bytes", "full_bytes", "kv_ceiling_bytes", "prefill_s", "decode_s", "prompt_tps", "generation_tps",
     "peak_memory_gb",
 )
 RECORD_FIELDS = ("id", "completion", "answers", *STATS_FIELDS, "model", "config", "meta", "fingerprint", "error")
@@ -96,10 +96,12 @@ def question_numbers(results: Sequence[Any]) -> dict:
         "generated_tokens": generated,
         "tokens_seen": peak.tokens_seen,
         "tokens_kept": peak.tokens_kept,
+        "tokens_pinned": peak.tokens_pinned,
         "compression_ratio": peak.compression_ratio,
         "kept_bytes": peak.kept_bytes,
         "full_bytes": peak.full_bytes,
-        "kv_ceiling_bytes": peak.kv_ceiling_bytes,
+        "kv_ceiling_bytes": None if any(r.kv_ceiling_bytes is None for r in results)
+        else max(r.kv_ceiling_bytes for r in results),
         "prefill_s": prefill_s,
         "decode_s": decode_s,
         "prompt_tps": peak.prompt_tps,

@@ -18,8 +18,12 @@ class GenerationResult:
     any compressed layer holds: ``early_factor`` gives the first 30% of layers more than the
     budget, and ``layer_budgets`` may give others more; ``kept_bytes`` counts them all);
     ``compression_ratio = full_bytes / kept_bytes`` over all layers;
-    ``kv_ceiling_bytes`` the most this configuration can ever hold for one row
-    (None when some layer keeps every token, so memory grows with the input).
+    ``kv_ceiling_bytes`` the most this row can ever hold: the budget plus its
+    pinned tokens, with the whole ``max_tokens`` answer (None when some layer
+    keeps every token, so memory grows with the input); ``tokens_pinned`` the
+    tokens a compressed layer holds on top of its budget because they are not the
+    document (the chat template, system turn, question and answer; more than the
+    budget when the instructions alone are longer).
     """
 
     text: str
@@ -43,15 +47,19 @@ class GenerationResult:
     tokens: list = field(default_factory=list)
     """The generated token ids, the final one included (an end-of-sequence token when
     ``finish_reason`` is ``"stop"``)."""
+    tokens_pinned: int = 0
 
     def to_dict(self) -> dict:
         """A JSON-serialisable dict."""
         return asdict(self)
 
     @classmethod
-    def from_caches(cls, caches: Sequence[Any], **fields: Any) -> "GenerationResult":
-        """A result whose cache numbers are read from ``caches`` (see :func:`cache_stats`)."""
-        stats = cache_stats(caches)
+    def from_caches(cls, caches: Sequence[Any], max_tokens: Optional[int] = None, **fields: Any) -> "GenerationResult":
+        """A result whose cache numbers are read from ``caches`` (see :func:`cache_stats`);
+        the ceiling counts ``prompt_tokens + max_tokens`` positions when given."""
+        at = None if max_tokens is None else fields["prompt_tokens"] + max_tokens
+        stats = cache_stats(caches, ceiling_at=at)
         return cls(tokens_seen=stats.tokens_seen, tokens_kept=stats.tokens_kept,
                    compression_ratio=stats.compression_ratio, kept_bytes=stats.kept_bytes,
-                   full_bytes=stats.full_bytes, kv_ceiling_bytes=stats.ceiling_bytes, **fields)
+                   full_bytes=stats.full_bytes, kv_ceiling_bytes=stats.ceiling_bytes,
+                   tokens_pinned=stats.tokens_pinned, **fields)

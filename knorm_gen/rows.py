@@ -21,7 +21,7 @@ MAX_LINE_BYTES = 64 * 1024 * 1024
 """Longer input lines are skipped unread and reported as ``line_too_long``."""
 
 BOM = b"\xef\xbb\xbf"
-OVERRIDE_FIELDS = ("max_tokens", "temperature", "budget", "top_k", "min_p", "repetition_penalty")
+OVERRIDE_FIELDS = ("max_tokens", "temperature", "budget", "top_k", "min_p", "repetition_penalty", "pin_prefix_chars")
 ROW_FIELDS = ("id", "prompt", "messages", "context", "question", "questions", *OVERRIDE_FIELDS)
 
 RowId = Union[str, int]

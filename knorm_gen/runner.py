@@ -16,10 +16,10 @@ from typing import Any, Callable, Iterable, Optional, Union
 from . import records as rec
 from .config import EvictionConfig, GenerationConfig, ResolvedEviction, RowsConfig, make_configs, settings_dict
 from .engine import Job, KVLimit, Outcome, run_jobs
-from .generate import generate_with_eviction
+from .generate import prompt_job, question_job, stream_job
 from .mlx_compat import full_attention_layers
 from .memory import KVMemoryExceeded
-from .prompts import PromptTooLongError, check_length, encode_prompt, question_prompts
+from .prompts import PromptTooLongError
 from .rows import Row, RowError
 
 Emit = Callable[[Optional[dict], int], None]  # (record, or None for a row skipped as done; its line)
@@ -157,8 +157,8 @@ class RowRunner:
             ((_, results),) = run_jobs(self.model, self.tokenizer, [job], batch_size=self.batch_size,
                                        seed=job.generation.seed)
             return results
-        return [generate_with_eviction(self.model, self.tokenizer, job.ids, eviction=job.eviction,
-                                       generation=job.generation)]
+        *_, result = stream_job(self.model, self.tokenizer, job)
+        return [result]
 
     def _jobs(self, items, done: set, emit: Emit, stop: Callable[[], bool]):
         """The rows that can run, as jobs; the others become records at once, so
@@ -181,14 +181,8 @@ class RowRunner:
                     yield job
 
     def _job(self, row: Row, settings: RowSettings) -> Job:
-        gen = settings.generation
         if row.kind == "questions":
-            questions, context_ids, question_ids = question_prompts(
-                self.model, self.tokenizer, row.context, row.questions, chat=gen.chat,
-                question_separator=gen.question_separator, system_prompt=gen.system_prompt,
-                special=gen.parse_special_tokens)
-            return Job(row.line, settings.eviction, gen, context_ids=context_ids, questions=questions,
-                       question_ids=question_ids, tag=(row, settings))
-        ids = encode_prompt(self.tokenizer, row.prompt, gen.chat, gen.system_prompt, special=gen.parse_special_tokens)
-        check_length(self.model, len(ids))
-        return Job(row.line, settings.eviction, gen, ids=ids, tag=(row, settings))
+            return question_job(self.model, self.tokenizer, row.line, row.context, row.questions, settings.eviction,
+                                settings.generation, tag=(row, settings))
+        return prompt_job(self.model, self.tokenizer, row.line, row.prompt, settings.eviction, settings.generation,
+                          tag=(row, settings))

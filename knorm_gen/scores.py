@@ -26,7 +26,7 @@ re-scored); the others get ``anchor=None``.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
@@ -123,7 +123,13 @@ def running_anchor(total: mx.array, seen: mx.array | int) -> mx.array:
 _POS_SHIFT = 1 << 32
 _POS_MASK = (1 << 32) - 1
 PROTECTED = -(1 << 63)
+# Coverage tokens rank above every protected one and below any real score (the
+# lowest finite float32, -inf, packs to about -(2**31 - 2**23) << 32).
+COVERED = PROTECTED + (1 << 34)
 PAD = (1 << 63) - 1
+NO_END = 1 << 62  # the end of a span that runs on for ever
+ALL_EVICTABLE: tuple = ((0, NO_END),)
+"""The spans of a row with nothing pinned: every position may be evicted (the sinks aside)."""
 STEP = 256  # buffers grow in steps of this many slots (as mlx_lm's KVCache does)
 
 
@@ -133,33 +139,102 @@ def _ordered_bits(score: mx.array) -> mx.array:
     return mx.where(bits < 0, -bits - (1 << 31) - 1, bits)
 
 
-def pack_ranks(score: mx.array, positions: mx.array, n_sink: int) -> mx.array:
-    """int64 ranks of a block; ``positions`` broadcast against ``score``."""
+def pack_ranks(score: mx.array, positions: mx.array, n_sink: int, spans: Optional[mx.array] = None) -> mx.array:
+    """int64 ranks of a block; ``positions`` broadcast against ``score``. Positions
+    outside ``spans`` (:func:`span_array`; None: none) are pinned like the sinks."""
     pos = positions.astype(mx.int64)
     rank = _ordered_bits(score) * _POS_SHIFT + pos
-    if n_sink:
-        rank = mx.where(pos < n_sink, PROTECTED + pos, rank)
+    protected = pos < n_sink if n_sink else None
+    if spans is not None:
+        outside = mx.logical_not(in_spans(pos, spans))
+        protected = outside if protected is None else mx.logical_or(protected, outside)
+    if protected is not None:
+        rank = mx.where(protected, PROTECTED + pos, rank)
     return rank
 
 
 def block_ranks(keep: str, n_sink: int, keys: mx.array, start: mx.array | int,
-                anchor: Optional[mx.array] = None) -> mx.array:
+                anchor: Optional[mx.array] = None, spans: Optional[mx.array] = None) -> mx.array:
     """Ranks of a block of keys ``(B, H, N, D)`` whose first token sits at absolute
     position ``start`` (an int, or one per batch row); ascending = kept first.
-    ``anchor`` (:func:`running_anchor`) is needed by the rules in :data:`ANCHORED`."""
+    ``anchor`` (:func:`running_anchor`) is needed by the rules in :data:`ANCHORED`;
+    positions outside ``spans`` are pinned."""
     if keep in ANCHORED and anchor is None:
         raise ValueError(f"keep={keep!r} scores against an anchor: pass one")
     first = mx.array(start, dtype=mx.int64).reshape(-1, 1, 1)
     positions = first + mx.arange(keys.shape[2], dtype=mx.int64)[None, None, :]
-    return pack_ranks(SCORES[keep](keys, positions, anchor), positions, n_sink)
+    return pack_ranks(SCORES[keep](keys, positions, anchor), positions, n_sink, spans)
 
 
-def rescore(keep: str, n_sink: int, keys: mx.array, rank: mx.array, anchor: mx.array) -> mx.array:
+def rescore(keep: str, n_sink: int, keys: mx.array, rank: mx.array, anchor: mx.array,
+            spans: Optional[mx.array] = None) -> mx.array:
     """Ranks of held ``keys`` (their positions packed in ``rank``) scored again
-    against ``anchor``; PAD slots stay PAD."""
+    against ``anchor``; PAD slots stay PAD, pinned positions stay pinned."""
     positions = rank_positions(rank)
-    new = pack_ranks(SCORES[keep](keys, positions, anchor), positions, n_sink)
+    new = pack_ranks(SCORES[keep](keys, positions, anchor), positions, n_sink, spans)
     return mx.where(rank == PAD, rank, new)
+
+
+# ---- pinned positions: what is not the document -----------------------------------
+# A row's *spans* are the position ranges [start, end) that may be evicted (the
+# document); every position outside them (the chat template, the system turn, a
+# question, the answer) is pinned and held on top of the budget.
+
+Spans = tuple  # tuple[tuple[int, int], ...], sorted, disjoint
+
+
+def check_spans(spans) -> Spans:
+    """``spans`` as a sorted tuple of ``(start, end)`` integer pairs, or ValueError."""
+    try:
+        out = tuple((int(a), int(b)) for a, b in spans)
+    except (TypeError, ValueError):
+        raise ValueError(f"spans must be (start, end) pairs of positions, got {spans!r}") from None
+    last = 0
+    for a, b in out:
+        if a < last or b < a:
+            raise ValueError(f"spans must be sorted, disjoint (start, end) pairs with start <= end, got {spans!r}")
+        last = b
+    return out
+
+
+def pinned_count(spans: Spans, n_sink: int, seen: int) -> int:
+    """Positions before ``seen`` that are pinned by ``spans`` and are not sinks: the
+    tokens a row holds on top of its budget."""
+    outside = max(seen - n_sink, 0)
+    for a, b in spans:
+        lo, hi = max(a, n_sink), min(b, seen)
+        if hi > lo:
+            outside -= hi - lo
+    return outside
+
+
+def pin_from(spans: Spans, at: int) -> Spans:
+    """``spans`` with every position from ``at`` on pinned."""
+    return tuple((a, min(b, at)) for a, b in spans if a < at)
+
+
+def open_ended(spans: Spans) -> bool:
+    """Whether every position from some point on is pinned (a question and its answer):
+    the row then grows by every token it is fed."""
+    return not spans or spans[-1][1] < NO_END
+
+
+def span_array(rows: Sequence[Spans]) -> Optional[mx.array]:
+    """``(B, S, 2)`` int64 spans of each row (padded with empty spans), or None when
+    no row pins anything (every position evictable)."""
+    if all(s == ALL_EVICTABLE for s in rows):
+        return None
+    width = max(1, max(len(s) for s in rows))
+    padded = [list(s) + [(NO_END, NO_END)] * (width - len(s)) for s in rows]
+    return mx.array(padded, dtype=mx.int64)
+
+
+def in_spans(positions: mx.array, spans: mx.array) -> mx.array:
+    """Whether each position ``(B, ..., N)`` lies inside one of its row's spans ``(B, S, 2)``."""
+    shape = (spans.shape[0],) + (1,) * (positions.ndim - 1) + (spans.shape[1],)
+    start, end = spans[..., 0].reshape(shape), spans[..., 1].reshape(shape)
+    pos = positions[..., None]
+    return mx.any(mx.logical_and(pos >= start, pos < end), axis=-1)
 
 
 def rank_positions(rank: mx.array) -> mx.array:
@@ -173,18 +248,49 @@ def protect_recent(rank: mx.array, first_recent: mx.array | int) -> mx.array:
     return mx.where(pos >= first_recent, PROTECTED + pos.astype(mx.int64), rank)
 
 
-def evict_key(rank: mx.array, seen: mx.array | int, recent: int) -> mx.array:
+def cover_slots(budget: int, coverage: float) -> int:
+    """Slots of a ``budget`` that coverage keeps evenly spread."""
+    return int(coverage * budget)
+
+
+def coverage_stride(seen: int, slots: int) -> int:
+    """The smallest power of two ``s`` with at most ``slots`` multiples of ``s`` below
+    ``seen``: the spacing of the coverage tokens."""
+    s = 1
+    while -(-seen // s) > slots:
+        s *= 2
+    return s
+
+
+def cover(rank: mx.array, seen: Sequence[int], slots: int) -> mx.array:
+    """``rank`` with every position that is a multiple of its row's
+    :func:`coverage_stride` ranked before any scored token (coverage: a share of
+    the budget spread evenly over the positions seen). As ``seen`` grows the
+    stride doubles, so the covered positions are always a subset of those
+    covered before: none of them was evicted earlier."""
+    stride = mx.array([coverage_stride(s, slots) for s in seen], dtype=mx.int32).reshape(-1, 1, 1)
+    pos = rank_positions(rank)
+    hit = mx.logical_and(mx.remainder(pos, stride) == 0, rank > COVERED)
+    return mx.where(mx.logical_and(hit, rank != PAD), COVERED + pos.astype(mx.int64), rank)
+
+
+def evict_key(rank: mx.array, seen: mx.array | int, recent: int, cover_slots: int = 0) -> mx.array:
     """What eviction ranks by: ``rank`` with the last ``recent`` of ``seen``
-    positions protected (``seen`` an int, or one per batch row); PAD stays PAD."""
+    positions protected (``seen`` an int, or one per batch row) and, with
+    ``cover_slots``, the coverage positions next (:func:`cover`); PAD stays PAD."""
+    if cover_slots:
+        rows = [seen] if isinstance(seen, int) else [int(x) for x in
+                                                      (seen.tolist() if isinstance(seen, mx.array) else seen)]
+        rank = cover(rank, rows, cover_slots)
     if recent == 0:
         return rank
     first = mx.array(seen, dtype=mx.int64).reshape(-1, 1, 1) - recent
     return mx.where(rank == PAD, rank, protect_recent(rank, first))
 
 
-def capacity(rows: int, budget: int, pinned: bool) -> int:
+def capacity(rows: int, limit: int, grows: bool) -> int:
     """Slots to allocate for ``rows`` held rows: whole steps, but never more than
-    the budget plus the one spare slot a decode step writes into (unless pinned:
-    then every later token is kept)."""
+    the row's limit (budget plus pinned tokens) plus the one spare slot a decode
+    step writes into, unless the row ``grows`` (every later token is pinned)."""
     cap = -(-rows // STEP) * STEP
-    return cap if pinned else max(rows, min(cap, budget + 1))
+    return cap if grows else max(rows, min(cap, limit + 1))

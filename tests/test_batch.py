@@ -60,8 +60,10 @@ def test_records_match_library_calls_and_share_one_shape(tmp_path, mt):
         assert tuple(r) == RECORD_FIELDS
     ref = generate_with_eviction(model, tok, "Name a colour.", **OPTS)
     assert p["completion"] == ref.text and p["answers"] is None
+    # the document ("Name a colour.") is far under the budget and everything else is
+    # pinned, so nothing is evicted: every position seen is kept
     assert {k: p[k] for k in ("prompt_tokens", "tokens_seen", "tokens_kept", "kept_bytes", "full_bytes")} == {
-        "prompt_tokens": ref.prompt_tokens, "tokens_seen": ref.tokens_seen, "tokens_kept": 16,
+        "prompt_tokens": ref.prompt_tokens, "tokens_seen": ref.tokens_seen, "tokens_kept": ref.tokens_seen,
         "kept_bytes": ref.kept_bytes, "full_bytes": ref.full_bytes}
     assert p["compression_ratio"] == pytest.approx(p["full_bytes"] / p["kept_bytes"])
     assert p["meta"] == {"source": "test"} and p["model"] == MODEL["spec"] and p["error"] is None

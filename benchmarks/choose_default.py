@@ -1,0 +1,80 @@
+"""Choose the default layout by measurement, on a split of the documents it was not tuned on.
+
+    python benchmarks/choose_default.py --model default --split tune            # every candidate
+    python benchmarks/choose_default.py --model default --split heldout --arms low_cov25,keydiff,random
+
+The documents of ``benchmarks/documents.py`` are split by position: even ones are the
+tuning split, odd ones the held-out split; fillers are split the same way (tune:
+grass, ledger; held-out: harbor, recipe). Each document is cut to its first
+``--doc-tokens`` tokens. Every arm runs through the product's prefill path
+(:mod:`knorm_gen.tune`); results go to results/choose_default-<model>-<split>.json,
+checkpointed after each case (``--add-to`` continues a run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import knorm_gen  # noqa: F401  (BLAS preload first)
+from knorm_gen.models import load_model
+from knorm_gen.tune import CANDIDATES, Doc, Tuner, head_tokens, run, summarize
+
+from documents import documents  # benchmarks/documents.py
+
+RESULTS = Path(__file__).parent / "results"
+SPLIT_FILLERS = {"tune": ("grass", "ledger"), "heldout": ("harbor", "recipe")}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--split", choices=("tune", "heldout"), default="tune")
+    ap.add_argument("--arms", default=",".join(CANDIDATES), help="candidates, comma-separated")
+    ap.add_argument("--docs", type=int, default=3, help="documents of the split")
+    ap.add_argument("--doc-tokens", type=int, default=2048)
+    ap.add_argument("--ratio", type=float, default=4.0)
+    ap.add_argument("--tasks", default="fidelity,passkey,ppl")
+    ap.add_argument("--depths", default="0.2,0.5,0.8")
+    ap.add_argument("--filler-depths", default="0.3,0.7")
+    ap.add_argument("--modes", default="ctq", help="pass-key modes: ctq (context, then the pinned question), "
+                    "whole (one prompt, nothing pinned)")
+    ap.add_argument("--add-to", default="", help="a results file to continue (its finished cases are kept)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    model, tok = load_model(None if args.model == "default" else args.model)
+    all_docs = documents(tok)
+    split = all_docs[0::2] if args.split == "tune" else all_docs[1::2]
+    docs = [Doc(d.name, head_tokens(tok, d.text, args.doc_tokens)) for d in split[: args.docs]]
+    arms = {a: CANDIDATES[a] for a in args.arms.split(",") if a}
+    out = Path(args.out or RESULTS / f"choose_default-{args.model}-{args.split}.json")
+    done = json.loads(Path(args.add_to).read_text())["rows"] if args.add_to else []
+    tuner = Tuner(model, tok, arms, ratio=args.ratio, log=lambda m: print(m, file=sys.stderr, flush=True),
+                  modes=args.modes.split(","))
+    meta = dict(model=args.model, split=args.split, docs=[d.name for d in docs], doc_tokens=args.doc_tokens,
+                ratio=args.ratio, arms=arms, fillers=SPLIT_FILLERS[args.split])
+
+    def save(rows):
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**meta, "rows": rows, "summary": summarize(rows, ["full", *arms])}, indent=1))
+        tmp.replace(out)
+
+    tasks = args.tasks.split(",")
+    depths = [float(x) for x in args.depths.split(",")]
+    rows = run(tuner, docs, tasks=[t for t in tasks if t != "passkey"], done=done, on_rows=save)
+    if "passkey" in tasks:
+        rows = run(tuner, docs, tasks=["passkey"], fillers=(), depths=depths, done=rows, on_rows=save)
+        rows = run(tuner, [], tasks=["passkey"], fillers=SPLIT_FILLERS[args.split],
+                   depths=[float(x) for x in args.filler_depths.split(",")], seed=1, done=rows, on_rows=save)
+    save(rows)
+    table = summarize(rows, ["full", *arms])
+    for arm, v in table.items():
+        print(f"{arm:14s} " + " ".join(f"{k}={v[k]:.3f}" if isinstance(v[k], float) else f"{k}={v[k]}"
+                                       for k in v))
+    return table
+
+
+if __name__ == "__main__":
+    main()
