@@ -128,3 +128,23 @@ def cache_root(tmp_path_factory):
         root = tmp_path_factory.mktemp("knorm-cache")
         mp.setenv("KNORM_CACHE_DIR", str(root))
         yield root
+
+
+def document_span(tokenizer, ids, text):
+    """``(start, end)`` of ``text``'s own tokens inside prompt ``ids``, found by a plain
+    search (an independent account of where the evictable document lies)."""
+    sub = list(tokenizer.encode(text, add_special_tokens=False))
+    ids = list(ids)
+    for i in range(len(ids) - len(sub) + 1):
+        if ids[i : i + len(sub)] == sub:
+            return i, i + len(sub)
+    raise AssertionError(f"{text!r} is not in the prompt's tokens")
+
+
+def kept_after(seen, span, budget, n_sink=4):
+    """Positions a compressed layer holds after ``seen`` positions when only the
+    document ``span`` is evictable: everything else, and at most ``budget - n_sink``
+    of the document's tokens past the sinks."""
+    start, end = span
+    evictable = max(0, end - max(start, n_sink))
+    return seen - evictable + min(evictable, budget - n_sink)

@@ -9,6 +9,8 @@ from knorm_gen import (EvictionConfig, GenerationConfig, answer_questions, gener
 from knorm_gen.job import BatchOptions, BatchUsageError, get_model, run_batch
 from knorm_gen.records import RECORD_FIELDS
 
+from .conftest import document_span, kept_after
+
 OPTS = dict(budget=16, max_tokens=2)
 
 
@@ -60,10 +62,11 @@ def test_records_match_library_calls_and_share_one_shape(tmp_path, mt):
         assert tuple(r) == RECORD_FIELDS
     ref = generate_with_eviction(model, tok, "Name a colour.", **OPTS)
     assert p["completion"] == ref.text and p["answers"] is None
-    # the document ("Name a colour.") is far under the budget and everything else is
-    # pinned, so nothing is evicted: every position seen is kept
+    # only the user's text is evictable: the template and the answer are pinned
+    ids = tok.apply_chat_template([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True)
+    kept = kept_after(ref.tokens_seen, document_span(tok, ids, "Name a colour."), 16)
     assert {k: p[k] for k in ("prompt_tokens", "tokens_seen", "tokens_kept", "kept_bytes", "full_bytes")} == {
-        "prompt_tokens": ref.prompt_tokens, "tokens_seen": ref.tokens_seen, "tokens_kept": ref.tokens_seen,
+        "prompt_tokens": ref.prompt_tokens, "tokens_seen": ref.tokens_seen, "tokens_kept": kept,
         "kept_bytes": ref.kept_bytes, "full_bytes": ref.full_bytes}
     assert p["compression_ratio"] == pytest.approx(p["full_bytes"] / p["kept_bytes"])
     assert p["meta"] == {"source": "test"} and p["model"] == MODEL["spec"] and p["error"] is None

@@ -19,6 +19,8 @@ from knorm_gen.prompts import encode_prompt
 from knorm_gen.corpus import text_of_tokens
 from knorm_gen.models import load_model
 
+from .conftest import document_span, kept_after
+
 LOGIT_TOL = 1e-3  # about 20x the largest teacher-forced difference measured
 NEAR_TIE_REL = 1e-5  # relative key-norm gap within which a kept token may differ
 N_LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
@@ -158,10 +160,12 @@ def test_generate_batch_api_order_callback_and_honest_numbers(mt):
     assert sorted(seen) == [0, 1, 2] and all(isinstance(r, GenerationResult) for r in results)
     row = KV_HEADS * HEAD_DIM * 2 * 4
     for p, r in zip(prompts, results):
-        n_prompt = len(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        n_prompt = len(ids)
         assert r.prompt_tokens == n_prompt and r.tokens_seen == n_prompt + r.generated_tokens
         assert r.full_bytes == N_LAYERS * r.tokens_seen * row
-        assert r.kept_bytes == (2 * r.tokens_seen + 28 * min(16, r.tokens_seen)) * row
+        kept = kept_after(r.tokens_seen, document_span(tok, ids, p), 16)  # template and answer pinned
+        assert r.kept_bytes == (2 * r.tokens_seen + 28 * kept) * row
         assert r.text == tok.decode(r.tokens[:-1] if r.finish_reason == "stop" else r.tokens)
         assert r.prefill_s > 0 and r.decode_s > 0 and r.config["budget"] == 16
     streamed = dict(stream_batch_with_eviction(model, tok, iter(prompts), batch_size=3, budget=16, max_tokens=10,

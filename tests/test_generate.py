@@ -13,6 +13,7 @@ from knorm_gen import (GenerationResult, PromptTooLongError, answer_questions, g
 from knorm_gen.models import load_model
 
 from .conftest import RecordingModel, assert_greedy_agree
+from .conftest import document_span, kept_after
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,9 +52,13 @@ def test_eviction_accounting_against_independent_counts(model_and_tokenizer):
     assert r.finish_reason == "length" and r.generated_tokens == max_tokens
     # every generated token, including the last, is fed back through the cache
     assert r.tokens_seen == n_prompt + max_tokens
-    assert r.tokens_kept == budget
+    # only the user's text is evictable: the chat template around it and the answer are pinned
+    held = kept_after(r.tokens_seen, document_span(tok, chat_ids(tok, text), text), budget)
+    assert r.tokens_kept == held < r.tokens_seen
+    assert r.tokens_pinned == r.tokens_seen - (document_span(tok, chat_ids(tok, text), text)[1]
+                                               - document_span(tok, chat_ids(tok, text), text)[0]) - 4
     full = N_LAYERS * r.tokens_seen * ROW_BYTES
-    kept = 2 * r.tokens_seen * ROW_BYTES + (N_LAYERS - 2) * budget * ROW_BYTES
+    kept = 2 * r.tokens_seen * ROW_BYTES + (N_LAYERS - 2) * held * ROW_BYTES
     assert (r.full_bytes, r.kept_bytes) == (full, kept)
     assert r.compression_ratio == pytest.approx(full / kept)
     assert r.prefill_s > 0 and r.decode_s > 0 and r.peak_memory_gb > 0
@@ -163,8 +168,11 @@ def test_answer_questions_protects_question_and_continues_positions(model_and_to
                                        add_generation_prompt=True, tokenize=False)
     n_context = len(tok.encode(rendered.split("\n\n" + q)[0], add_special_tokens=False))
     assert r.tokens_seen == r.prompt_tokens + r.generated_tokens
-    # the compressed context stays at the budget; question and answer are all kept
-    assert r.tokens_kept == budget + (r.tokens_seen - n_context)
+    start, end = document_span(tok, tok.encode(rendered, add_special_tokens=False), context)
+    assert end == n_context
+    # the document is compressed to the budget; the template before it (past the four
+    # sinks, which count inside the budget), the question and the answer are all kept
+    assert r.tokens_kept == budget + (r.tokens_seen - n_context) + (start - 4)
 
 
 @pytest.mark.parametrize(

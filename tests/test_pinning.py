@@ -74,7 +74,7 @@ def test_batch_rows_with_different_spans_select_as_each_row_alone():
     singles = []
     for k, s in zip(keys, spans):
         c = EvictionKVCache(9, 2, 1, "low", spans=s)
-        feed_keys(c, k, [20])
+        feed_keys(c, k[:, :, :20], [20])
         singles.append(c)
     batch = EvictionKVCache.merge(singles)
     assert isinstance(batch, BatchEvictionKVCache)
@@ -86,7 +86,6 @@ def test_batch_rows_with_different_spans_select_as_each_row_alone():
             c.update_and_fetch(mx.array(block[k : k + 1]), mx.array(block[k : k + 1]))
         both = keys_left
     for i, c in enumerate(singles):
-        assert kept(batch, i) == kept(c)
         assert kept(batch.extract(i)) == kept(c)
         assert batch.extract(i).spans == c.spans
 
@@ -107,7 +106,7 @@ def test_coverage_keeps_evenly_spread_positions(coverage, t):
 def test_coverage_positions_stay_held_as_the_input_grows():
     keys = distinct_norm_keys(200, np.random.default_rng(2))
     cache = EvictionKVCache(16, 2, 0, "low", coverage=0.25)  # 4 slots: stride 64 at 200 tokens
-    feed_keys(cache, keys, [30, 1, 1, 1, 40, 1, 60, 1, 1, 65])
+    feed_keys(cache, keys, [30, 1, 1, 1, 40, 1, 60, 1, 1, 64])
     for h in kept(cache):
         assert {0, 64, 128, 192} <= set(h) and len(h) == 16
 
@@ -200,16 +199,26 @@ def test_completion_style_pins_nothing_beyond_the_sinks(smol):
 
 
 def capture_caches(monkeypatch):
-    """Every cache list a result is read from (the product's own, at the end of a row)."""
+    """``(prompt_tokens, caches)`` of every result, read from the product's own caches
+    at the end of each row."""
     seen = []
     original = GenerationResult.from_caches.__func__
 
     def spy(cls, caches, *args, **kwargs):
-        seen.append(list(caches))
+        seen.append((kwargs["prompt_tokens"], list(caches)))
         return original(cls, caches, *args, **kwargs)
 
     monkeypatch.setattr(GenerationResult, "from_caches", classmethod(spy))
     return seen
+
+
+def instruction_positions(tok, doc, system, seen):
+    """Every position of the prompt that is not the document's own tokens, and every
+    position after it (the answer), found by searching the document's tokens."""
+    ids = encode_with_spans(tok, doc, system_prompt=system)[0]
+    doc_ids = tok.encode(doc, add_special_tokens=False)
+    start = find(ids, doc_ids)
+    return len(ids), set(range(start)) | set(range(start + len(doc_ids), seen))
 
 
 @pytest.mark.parametrize("batch", [False, True])
@@ -217,26 +226,25 @@ def test_every_layer_still_holds_every_instruction_token(smol, monkeypatch, batc
     model, tok = smol
     seen = capture_caches(monkeypatch)
     system = "The project code name is Bluefin-42. Always answer in one line."
-    doc = (DOC + " ") * 12
+    docs = [(DOC + " ") * 12 + "End.", DOC, (DOC + " ") * 5 + "Fin."]  # three rows, batch of two: one joins mid-run
     if batch:
         from knorm_gen import generate_batch_with_eviction
 
-        results = generate_batch_with_eviction(model, tok, [doc, DOC], budget=32, max_tokens=6, system_prompt=system)
-        caches, r = seen[[x.prompt_tokens for x in results].index(results[0].prompt_tokens)], results[0]
+        results = generate_batch_with_eviction(model, tok, docs, batch_size=2, budget=32, max_tokens=6,
+                                               system_prompt=system)
     else:
-        r = generate_with_eviction(model, tok, doc, budget=32, max_tokens=6, system_prompt=system)
-        caches = seen[-1]
-    ids = encode_with_spans(tok, doc, system_prompt=system)[0]
-    start = find(ids, tok.encode(doc.strip(), add_special_tokens=False)[:20])
-    end = start + len(tok.encode(doc.strip(), add_special_tokens=False))
-    instruction = set(range(start)) | set(range(end, r.tokens_seen))
-    layers = [c for c in caches if isinstance(c, EvictionKVCache)]
-    assert len(layers) == len(model.layers)
-    for c in layers:
-        for heads in kept(c):
-            assert instruction <= set(heads)
-    assert r.tokens_pinned == len(instruction) - 4  # the four sinks count inside the budget
-    assert r.kept_bytes <= r.kv_ceiling_bytes
+        results = [generate_with_eviction(model, tok, d, budget=32, max_tokens=6, system_prompt=system) for d in docs]
+    by_length = {n: caches for n, caches in seen}
+    assert len(by_length) == 3
+    for doc, r in zip(docs, results):
+        n, instruction = instruction_positions(tok, doc, system, r.tokens_seen)
+        layers = [c for c in by_length[n] if isinstance(c, EvictionKVCache)]
+        assert len(layers) == len(model.layers)
+        for c in layers:
+            for heads in kept(c):
+                assert instruction <= set(heads)
+        assert r.tokens_pinned == len(instruction) - 4  # the four sinks count inside the budget
+        assert r.kept_bytes <= r.kv_ceiling_bytes
 
 
 def test_a_code_in_the_system_prompt_is_found_at_8x(smol):
