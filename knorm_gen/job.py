@@ -545,6 +545,8 @@ def _reconcile_stats(path: str, plan: ResumePlan, lines: dict) -> None:
         except (ValueError, RecursionError):
             entry = None
         if isinstance(entry, dict) and "id" in entry and entry.get("error") is None:
+            if "answers" in entry and "n_answers" not in entry:  # a log from before n_answers: renamed
+                raw = rec.dump_record(rec.upgrade_stats_entry(entry))
             entries[rec.id_key(entry["id"])] = raw  # the latest entry of an id is its record's
     want = []
     for key, line in zip(plan.keys, plan.keep):
@@ -617,11 +619,27 @@ def _finish_group(files: _Files, ready: _Prepared, plan: ResumePlan, summary: Ba
                               options.accept_old_records)
         rewrite_atomically(files.output, lines)
         if files.stats_log:
-            rewrite_atomically(files.stats_log, merge_stats(_read(Path(files.stats_log)), stats_blobs))
+            rewrite_atomically(files.stats_log, merge_stats(_upgrade_stats(_read(Path(files.stats_log))),
+                                                            stats_blobs))
     group.barrier()  # rank 0 has written and fsynced the final files: the parts are redundant now
     for path in dict.fromkeys(parts + stats_parts):
         path.unlink(missing_ok=True)
     return total if group.rank == 0 else summary
+
+
+def _upgrade_stats(data: bytes) -> bytes:
+    """A stats log with the entries of older logs renamed (``answers`` -> ``n_answers``)."""
+    if b'"answers"' not in data:
+        return data
+    out = []
+    for raw in data.splitlines(keepends=True):
+        try:
+            entry = json.loads(raw) if raw.endswith(b"\n") else None
+        except (ValueError, RecursionError):
+            entry = None
+        out.append(rec.dump_record(rec.upgrade_stats_entry(entry))
+                   if isinstance(entry, dict) and "answers" in entry and "n_answers" not in entry else raw)
+    return b"".join(out)
 
 
 def _read(path: Path) -> bytes:
