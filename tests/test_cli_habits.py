@@ -199,6 +199,25 @@ def test_the_first_three_row_errors_are_on_stderr(tmp_path, tiny):
     assert f"... 2 more: see the error records in {out}" in result.stderr
 
 
+@pytest.mark.parametrize("field", ["text", "article", "body", "document", "content"])
+def test_a_document_in_another_field_gets_a_hint(tmp_path, tiny, field):
+    inp = write_rows(tmp_path / "in.jsonl", [{"id": "x", field: "A long report about the sea."}])
+    out = tmp_path / "out.jsonl"
+    result = invoke(inp, "-o", out, *tiny, "-q")
+    assert result.exit_code == 1
+    hint = f'use --context-field {field} --question "..."'
+    assert hint in result.stderr and hint in records(out)[0]["error"]["message"]
+    # with a job question the row needs only the field
+    result = invoke(inp, "-o", out, *tiny, "-q", "--question", "Summarize it.", "--overwrite")
+    assert result.exit_code == 1 and f"use --context-field {field} (or" in result.stderr
+
+
+def test_no_hint_when_the_row_has_no_document_like_field(tmp_path, tiny):
+    inp = write_rows(tmp_path / "in.jsonl", [{"id": "x", "title": "t"}])
+    result = invoke(inp, "-o", tmp_path / "out.jsonl", *tiny, "-q")
+    assert result.exit_code == 1 and "--context-field" not in result.stderr
+
+
 @pytest.mark.parametrize("content", [b"", b"\n\n  \n"])
 @pytest.mark.parametrize("quiet", [[], ["-q"]])
 def test_an_empty_input_warns_and_exits_0(tmp_path, tiny, content, quiet):
