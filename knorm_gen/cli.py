@@ -1,4 +1,4 @@
-"""Command line: ``knorm-batch`` (and ``knorm-probe``). Parse options, call the library.
+"""Command line: ``knorm-batch``, ``knorm-generate`` (and ``knorm-probe``). Parse options, call the library.
 
 The eviction and generation options are generated from the fields of
 :class:`~knorm_gen.config.EvictionConfig` and :class:`~knorm_gen.config.GenerationConfig`
@@ -41,6 +41,7 @@ from .job import (
     EXIT_INTERNAL_ERROR,
     EXIT_IO_ERROR,
     EXIT_INTERRUPTED,
+    EXIT_PIPE_CLOSED,
     EXIT_USAGE,
     BatchOptions,
     BatchUsageError,
@@ -433,6 +434,102 @@ def main(argv: Optional[list[str]] = None) -> None:
         print("knorm-batch: interrupted before any row ran; nothing was written", file=sys.stderr)
         code = EXIT_INTERRUPTED
     sys.exit(code or 0)
+
+
+@click.command(name="knorm-generate", context_settings=HELP)
+@click.option("-p", "--prompt", required=True, metavar="TEXT",
+              help="The prompt; '-' reads it from stdin. As in mlx_lm.generate, \\n and \\t in TEXT are a newline "
+                   "and a tab.")
+@click.option("--model", default=BatchOptions.model, show_default=True,
+              help="'default' (embedded SmolLM2-135M), a .gguf file, or an mlx_lm model path/id.")
+@generation_options
+@click.option("--preset", type=click.Choice(tuple(PRESETS)), default=None,
+              help="A named eviction layout (as knorm-batch --preset); the eviction options given beside it "
+                   "override it.")
+@run_options
+@click.option("-v", "--verbose", is_flag=True, help="Also print the model and the KV memory bound before the text.")
+@click.version_option(__version__, prog_name="knorm-generate")
+@click.pass_context
+def generate_command(ctx: click.Context, prompt: str, model: str, preset: Optional[str], verbose: bool,
+                     extra_eos_tokens: tuple, chat_template_config: Optional[dict], adapter_path: Optional[str],
+                     trust_remote_code: bool, **opts: Any) -> None:
+    """Generate for one prompt with L2Norm KV-cache eviction, in mlx_lm.generate's
+    shape: the text is printed as it is generated (stdout), then one stats line
+    (stderr): prompt tokens, tokens kept, compression, prompt and generation
+    speed, peak memory and the KV memory kept.
+
+    Exit status: 0 done, 2 usage error (an option, the model, an empty prompt or
+    one longer than the model's context; nothing generated), 4 internal error,
+    130 interrupted, 141 the output pipe was closed.
+    """
+    from .generate import stream_with_eviction
+    from .job import budget_warning, get_model, prepare_tokenizer
+    from .memory import kv_memory
+
+    try:
+        eviction, generation = build_configs({**opts, "preset": preset})
+    except ValueError as e:
+        raise UsageFailure(str(e)) from None
+    text = prompt.replace("\\n", "\n").replace("\\t", "\t")
+    if text == "-":
+        text = sys.stdin.read()
+    options = BatchOptions(model=model, extra_eos_tokens=extra_eos_tokens, chat_template_config=chat_template_config,
+                           adapter_path=adapter_path, trust_remote_code=trust_remote_code)
+    try:
+        loaded, tokenizer = get_model(model, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
+        tokenizer = prepare_tokenizer(tokenizer, options)
+        resolved = eviction.for_model(loaded)
+    except (BatchUsageError, ValueError) as e:
+        raise UsageFailure(str(e)) from None
+    if verbose:
+        click.echo(f"knorm-generate: model {model}; {kv_memory(loaded, resolved).describe()}", err=True)
+    result = None
+    try:
+        pieces = stream_with_eviction(loaded, tokenizer, text, eviction=resolved, generation=generation)
+        try:
+            first = next(pieces)  # the prompt is encoded and checked here: its errors are usage errors
+        except ValueError as e:
+            raise UsageFailure(str(e)) from None
+        for piece in _chain(first, pieces):
+            if isinstance(piece, str):
+                click.echo(piece, nl=False)
+            else:
+                result = piece
+        click.echo()
+    except KeyboardInterrupt:
+        click.echo("\nknorm-generate: interrupted", err=True)
+        ctx.exit(EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        from .job import _silence_stdout
+
+        _silence_stdout()
+        ctx.exit(EXIT_PIPE_CLOSED)
+    except click.ClickException:
+        raise
+    except Exception:  # noqa: BLE001 - a bug: say so, with the traceback to report
+        click.echo(traceback.format_exc(), err=True, nl=False)
+        click.echo("knorm-generate: internal error (please report it)", err=True)
+        ctx.exit(EXIT_INTERNAL_ERROR)
+    click.echo(stats_line(result), err=True)
+    warning = budget_warning(resolved.budget, result.prompt_tokens, whose="the")
+    if warning:
+        click.echo(f"knorm-generate: warning: {warning}", err=True)
+
+
+def _chain(first: Any, rest: Any):
+    yield first
+    yield from rest
+
+
+def stats_line(result: Any) -> str:
+    """``knorm-generate``'s one line of numbers after the text."""
+    from .memory import mib
+
+    return (f"knorm-generate: prompt {result.prompt_tokens} tokens, kept {result.tokens_kept} of "
+            f"{result.tokens_seen} seen ({result.compression_ratio:.2f}x compression); "
+            f"prompt {result.prompt_tps:.1f} tokens/s, generation {result.generation_tps:.1f} tokens/s "
+            f"({result.generated_tokens} tokens, {result.finish_reason}); peak memory {result.peak_memory_gb:.3f} GB; "
+            f"KV kept {mib(result.kept_bytes)} of {mib(result.full_bytes)}")
 
 
 def probe_command() -> None:

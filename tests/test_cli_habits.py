@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from knorm_gen import records as rec
-from knorm_gen.cli import batch_command
+from knorm_gen.cli import batch_command, generate_command
 from knorm_gen.job import get_model
 from knorm_gen.rows import content_digest
 
@@ -19,6 +19,10 @@ LONG = "Tell a long story about the sea. " * 8  # about 270 tokens with the tiny
 
 def invoke(*args, input=None):
     return CliRunner().invoke(batch_command, [str(a) for a in args], input=input, catch_exceptions=False)
+
+
+def generate(*args, input=None):
+    return CliRunner().invoke(generate_command, [str(a) for a in args], input=input, catch_exceptions=False)
 
 
 def write_rows(path, rows):
@@ -47,7 +51,7 @@ def test_mlx_lm_aliases_set_the_same_fields(tmp_path, tiny):
     assert (record["config"]["temperature"], record["config"]["max_tokens"], record["config"]["chat"]) == (0.5, 3, False)
 
 
-@pytest.mark.parametrize("command", [invoke])
+@pytest.mark.parametrize("command", [invoke, generate])
 def test_max_kv_size_is_a_usage_error_that_names_budget(tmp_path, command):
     args = ([tmp_path / "in.jsonl"] if command is invoke else ["-p", "hi"]) + ["--max-kv-size", "512"]
     result = command(*args)
@@ -64,7 +68,7 @@ def test_max_kv_size_in_a_job_file_names_budget(tmp_path):
 
 
 def test_dash_h_works_on_every_command(capsys):
-    for command in (batch_command,):
+    for command in (batch_command, generate_command):
         result = CliRunner().invoke(command, ["-h"])
         assert result.exit_code == 0 and "Usage:" in result.stdout and "--max-kv-size" not in result.stdout
     from knorm_gen.probe import probe_cli
@@ -168,6 +172,8 @@ def test_adapter_path_on_a_gguf_model_or_a_missing_folder_is_a_usage_error(tmp_p
     result = invoke(inp, "--adapter-path", tmp_path)  # the default model is a GGUF
     assert result.exit_code == 2 and "--adapter-path needs an mlx_lm model" in result.stderr
     assert "the embedded SmolLM2, a GGUF" in result.stderr
+    result = generate("-p", "hi", "--adapter-path", tmp_path)
+    assert result.exit_code == 2 and "--adapter-path needs an mlx_lm model" in result.stderr
     result = invoke(inp, "--model", tiny_model_dir, "--adapter-path", tmp_path / "nope")
     assert result.exit_code == 2 and "no such file or folder" in result.stderr
 
@@ -285,3 +291,51 @@ def test_upgrade_stats_entry_keeps_the_field_order():
     entry = {"id": 1, "line": 1, "answers": 3, "model": "m"}
     assert list(rec.upgrade_stats_entry(entry).items()) == [("id", 1), ("line", 1), ("n_answers", 3), ("model", "m")]
     assert rec.upgrade_stats_entry({"id": 1, "n_answers": None}) == {"id": 1, "n_answers": None}
+
+
+# ---------------------------------------------------------------- 2. knorm-generate
+
+
+def test_generate_prints_the_text_then_one_stats_line(tiny_model_dir):
+    from knorm_gen import generate_with_eviction
+
+    result = generate("--prompt", "Hello there", "--model", tiny_model_dir, "--budget", "16", "-m", "6")
+    assert result.exit_code == 0, result.stderr
+    model, tok = get_model(str(tiny_model_dir))
+    want = generate_with_eviction(model, tok, "Hello there", budget=16, max_tokens=6)
+    assert result.stdout == want.text + "\n"
+    (stats,) = [line for line in result.stderr.splitlines() if line.startswith("knorm-generate: prompt")]
+    assert re.fullmatch(
+        rf"knorm-generate: prompt {want.prompt_tokens} tokens, kept {want.tokens_kept} of {want.tokens_seen} seen "
+        rf"\(\d+\.\d\dx compression\); prompt \d+\.\d tokens/s, generation \d+\.\d tokens/s "
+        rf"\({want.generated_tokens} tokens, {want.finish_reason}\); "
+        rf"peak memory \d+\.\d{{3}} GB; KV kept \d+\.\d MiB of \d+\.\d MiB", stats), stats
+
+
+def test_generate_reads_stdin_takes_mlx_lm_names_and_warns_of_a_small_budget(tiny_model_dir):
+    result = generate("-p", "-", "--model", tiny_model_dir, "--budget", "16", "-m", "2", "--temp", "0",
+                      "--ignore-chat-template", input=LONG)
+    assert result.exit_code == 0, result.stderr
+    assert re.search(r"knorm-generate: prompt \d+ tokens", result.stderr)
+    assert "warning: --budget 16 keeps" in result.stderr and "of the " in result.stderr
+    first = _first_token(tiny_model_dir, "Hello there")
+    stopped = generate("-p", "Hello there", "--model", tiny_model_dir, "--budget", "16", "-m", "5",
+                       "--extra-eos-token", first)
+    assert stopped.exit_code == 0 and "(1 tokens, stop)" in stopped.stderr, stopped.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-p", "  "], "prompt is empty"),
+    (["-p", "x", "--budget", "0"], "budget must be an integer >= 1"),
+    (["-p", "x", "--skip-layers", "40"], "out of range"),
+    (["-p", "x", "--extra-eos-token", "no such token"], "is not a token of this tokenizer"),
+])
+def test_generate_usage_errors_exit_2(tiny_model_dir, args, message):
+    result = generate(*args, "--model", tiny_model_dir, "-m", "2")
+    assert result.exit_code == 2 and message in result.stderr, result.stderr
+    assert result.stdout == ""
+
+
+def test_generate_is_a_console_script():
+    text = (REPO / "pyproject.toml").read_text()
+    assert 'knorm-generate = "knorm_gen.cli:generate_command"' in text
