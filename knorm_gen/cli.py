@@ -13,6 +13,7 @@ setting that bounds the cache here (``--budget``).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shlex
@@ -490,7 +491,7 @@ def generate_command(ctx: click.Context, prompt: str, model: str, preset: Option
             first = next(pieces)  # the prompt is encoded and checked here: its errors are usage errors
         except ValueError as e:
             raise UsageFailure(str(e)) from None
-        for piece in _chain(first, pieces):
+        for piece in itertools.chain([first], pieces):
             if isinstance(piece, str):
                 click.echo(piece, nl=False)
             else:
@@ -514,11 +515,6 @@ def generate_command(ctx: click.Context, prompt: str, model: str, preset: Option
     warning = budget_warning(resolved.budget, result.prompt_tokens, whose="the")
     if warning:
         click.echo(f"knorm-generate: warning: {warning}", err=True)
-
-
-def _chain(first: Any, rest: Any):
-    yield first
-    yield from rest
 
 
 def stats_line(result: Any) -> str:

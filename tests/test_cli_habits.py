@@ -48,7 +48,8 @@ def test_mlx_lm_aliases_set_the_same_fields(tmp_path, tiny):
                     "-q")
     assert result.exit_code == 0, result.stderr
     (record,) = records(tmp_path / "out.jsonl")
-    assert (record["config"]["temperature"], record["config"]["max_tokens"], record["config"]["chat"]) == (0.5, 3, False)
+    config = record["config"]
+    assert (config["temperature"], config["max_tokens"], config["chat"]) == (0.5, 3, False)
 
 
 @pytest.mark.parametrize("command", [invoke, generate])
