@@ -1,14 +1,20 @@
-"""Command line: ``knorm-batch`` (and ``knorm-probe``). Parse options, call the library.
+"""Command line: ``knorm-batch``, ``knorm-generate`` (and ``knorm-probe``). Parse options, call the library.
 
 The eviction and generation options are generated from the fields of
 :class:`~knorm_gen.config.EvictionConfig` and :class:`~knorm_gen.config.GenerationConfig`
 (name, default and help come from each field), and job files use the same names
 in their ``[eviction]`` and ``[generation]`` tables; ``tests/test_cli.py`` checks
-that every field is reachable from both surfaces.
+that every field is reachable from both surfaces. mlx_lm's names work too:
+``--temp``, ``-m`` (``--max-tokens``), ``--ignore-chat-template`` (``--no-chat``),
+``--extra-eos-token``, ``--chat-template-config``, ``--adapter-path`` and
+``--trust-remote-code``; ``--max-kv-size`` is refused with the name of the
+setting that bounds the cache here (``--budget``).
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import shlex
 import sys
@@ -36,6 +42,7 @@ from .job import (
     EXIT_INTERNAL_ERROR,
     EXIT_IO_ERROR,
     EXIT_INTERRUPTED,
+    EXIT_PIPE_CLOSED,
     EXIT_USAGE,
     BatchOptions,
     BatchUsageError,
@@ -43,10 +50,22 @@ from .job import (
     run_batch,
 )
 
-RUN_KEYS = ("input", "output", "model", "batch_size", "stats_log", "summary_json", "limit", "max_kv_memory")
+RUN_KEYS = ("input", "output", "model", "batch_size", "stats_log", "summary_json", "limit", "max_kv_memory",
+            "extra_eos_tokens", "chat_template_config", "adapter_path", "trust_remote_code")
 JOB_KEYS = {None: RUN_KEYS, "eviction": EVICTION_FIELDS + ("preset",), "generation": GENERATION_FIELDS,
             "rows": ROWS_FIELDS}
-JOB_PATHS = ("input", "output", "stats_log", "summary_json")
+JOB_PATHS = ("input", "output", "stats_log", "summary_json", "adapter_path")
+HELP = {"help_option_names": ["-h", "--help"]}
+
+OPTION_ALIASES = {"temperature": ("--temp",), "max_tokens": ("-m",), "chat": (" /--ignore-chat-template",)}
+"""mlx_lm's names for the generated options (``mlx_lm.generate --temp 0.7 -m 100 --ignore-chat-template``).
+A bool field's alias names its on/off forms as ``on/off`` (a leading space: no 'on' alias)."""
+
+MAX_KV_SIZE_HINT = (
+    "--max-kv-size is mlx_lm's rotating cache of the last N tokens; knorm_gen evicts by its rule instead, and "
+    "the per-layer token budget is --budget N (tokens kept per compressed layer, chosen by --keep; 'none' = the "
+    "full cache). "
+    "--max-kv-memory is something else: a byte limit (e.g. 2GiB) on the KV memory of the rows in flight")
 CONFIG_FIELDS = {f.name: f for f in (*fields(EvictionConfig), *fields(GenerationConfig))}
 ROW_SHAPE_FIELDS = {f.name: f for f in fields(RowsConfig)}
 OPTION_FIELDS = {**CONFIG_FIELDS, **ROW_SHAPE_FIELDS}
@@ -84,23 +103,76 @@ def _config_option(f: Field) -> Callable:
     kw: dict[str, Any] = dict(help=help_text, default=f.default, show_default=f.default is not None
                               and not meta.get("default_text") and f.default != "")
     name = "--" + (meta.get("cli_name") or f.name).replace("_", "-")
+    aliases = OPTION_ALIASES.get(f.name, ())
     if meta.get("multiple"):
         kw.update(multiple=True, default=(), show_default=False)
     if f.type in ("Optional[bool]", "bool"):
-        return click.option(f"{name}/--no-{f.name.replace('_', '-')}", **kw)
+        return click.option(f"{name}/--no-{f.name.replace('_', '-')}", *aliases, f.name, **kw)
     if meta.get("parse"):
         kw["type"] = _Parsed(meta.get("metavar") or f.name.upper(), meta["parse"])
     elif meta.get("choices"):
         kw["type"] = click.Choice(meta["choices"])
     else:
         kw["type"] = _TYPES[f.type]
-    return click.option(name, f.name, **kw)
+    return click.option(name, *aliases, f.name, **kw)
 
 
-def config_options(command: Callable) -> Callable:
-    """Add an option for every field of the configs (eviction, generation, rows)."""
-    for f in reversed(list(OPTION_FIELDS.values())):
-        command = _config_option(f)(command)
+def _options_for(option_fields: dict) -> Callable[[Callable], Callable]:
+    def add(command: Callable) -> Callable:
+        for f in reversed(list(option_fields.values())):
+            command = _config_option(f)(command)
+        return command
+
+    return add
+
+
+config_options = _options_for(OPTION_FIELDS)
+config_options.__doc__ = "Add an option for every field of the configs (eviction, generation, rows)."
+generation_options = _options_for(CONFIG_FIELDS)
+generation_options.__doc__ = "Add an option for every field of the eviction and generation configs."
+
+
+def parse_template_config(value: Any) -> Optional[dict]:
+    """``--chat-template-config``: a JSON object (text, or a table in a job file) of
+    keyword arguments for ``apply_chat_template``, as ``mlx_lm.generate`` takes it."""
+    if value is None or isinstance(value, dict):
+        obj = value
+    else:
+        try:
+            obj = json.loads(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"chat template config must be a JSON object such as '{{\"enable_thinking\": false}}'; "
+                             f"{value!r} is not JSON ({e})") from None
+    if obj is not None and not isinstance(obj, dict):
+        raise ValueError(f"chat template config must be a JSON object (keyword arguments for the chat template), "
+                         f"got {value!r}")
+    return obj
+
+
+def _refuse_max_kv_size(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    if value is not None:
+        raise UsageFailure(MAX_KV_SIZE_HINT)
+
+
+def run_options(command: Callable) -> Callable:
+    """The options a run takes as mlx_lm.generate does (tokenizer and loader), and the
+    hidden --max-kv-size that says what to use instead."""
+    for option in reversed([
+        click.option("--extra-eos-token", "extra_eos_tokens", multiple=True, metavar="TOKEN",
+                     help="Also stop at this token (as the tokenizer spells it, e.g. '<|im_end|>', or a token id); "
+                          "repeat for several. As mlx_lm.generate's --extra-eos-token."),
+        click.option("--chat-template-config", type=_Parsed("JSON", parse_template_config), default=None,
+                     help="A JSON object of keyword arguments for the chat template, e.g. "
+                          "'{\"enable_thinking\": false}'. As mlx_lm.generate's --chat-template-config."),
+        click.option("--adapter-path", type=click.Path(), default=None,
+                     help="LoRA adapters for an mlx_lm model (a folder or hub id), loaded by mlx_lm; not for "
+                          "GGUF models (the default is one)."),
+        click.option("--trust-remote-code", is_flag=True, default=False,
+                     help="Let mlx_lm run the model's and tokenizer's own code (an mlx_lm model id that needs it)."),
+        click.option("--max-kv-size", hidden=True, expose_value=False, callback=_refuse_max_kv_size,
+                     metavar="N", help=MAX_KV_SIZE_HINT),
+    ]):
+        command = option(command)
     return command
 
 
@@ -124,6 +196,12 @@ def _read_toml(path: str) -> dict:
         raise UsageFailure(f"job file {path} is not valid TOML: {e}") from None
 
 
+def _key_hint(key: str) -> str:
+    if key in ("max_kv_size", "max-kv-size"):
+        return "; the per-layer token budget is budget = N under [eviction] (mlx_lm's max_kv_size has no equivalent)"
+    return ""
+
+
 def _flatten_job(path: str, data: dict) -> dict:
     flat: dict[str, Any] = {}
     for key, value in data.items():
@@ -131,13 +209,13 @@ def _flatten_job(path: str, data: dict) -> dict:
             for sub, subvalue in value.items():
                 if sub not in JOB_KEYS[key]:
                     raise UsageFailure(f"job file {path}: unknown key '{sub}' in [{key}]; "
-                                       f"allowed: {', '.join(JOB_KEYS[key])}")
+                                       f"allowed: {', '.join(JOB_KEYS[key])}{_key_hint(sub)}")
                 flat[sub] = subvalue
         elif key in RUN_KEYS:
             flat[key] = value
         else:
-            allowed = ", ".join(RUN_KEYS) + ", [eviction], [generation]"
-            raise UsageFailure(f"job file {path}: unknown key '{key}'; allowed: {allowed}")
+            allowed = ", ".join(RUN_KEYS) + ", [eviction], [generation], [rows]"
+            raise UsageFailure(f"job file {path}: unknown key '{key}'; allowed: {allowed}{_key_hint(key)}")
     return flat
 
 
@@ -161,6 +239,22 @@ def _check_run_keys(path: str, flat: dict) -> None:
             flat["max_kv_memory"] = parse_size(flat["max_kv_memory"])
         except ValueError as e:
             raise UsageFailure(f"job file {path}: max_kv_memory: {e}") from None
+    if "extra_eos_tokens" in flat:
+        tokens = flat["extra_eos_tokens"]
+        tokens = [tokens] if isinstance(tokens, (str, int)) and not isinstance(tokens, bool) else tokens
+        if not isinstance(tokens, list) or not all(isinstance(t, (str, int)) and not isinstance(t, bool)
+                                                   for t in tokens):
+            raise UsageFailure(f"job file {path}: 'extra_eos_tokens' must be a list of tokens (text or ids), "
+                               f"got {flat['extra_eos_tokens']!r}")
+        flat["extra_eos_tokens"] = tuple(str(t) for t in tokens)
+    if "chat_template_config" in flat:
+        try:
+            flat["chat_template_config"] = parse_template_config(flat["chat_template_config"])
+        except ValueError as e:
+            raise UsageFailure(f"job file {path}: {e}") from None
+    if "trust_remote_code" in flat and not isinstance(flat["trust_remote_code"], bool):
+        raise UsageFailure(f"job file {path}: 'trust_remote_code' must be true or false, "
+                           f"got {flat['trust_remote_code']!r}")
 
 
 def load_job(path: str) -> dict:
@@ -222,7 +316,7 @@ def _settings(ctx: click.Context, input_path: Optional[str], job_file: Optional[
     return settings
 
 
-@click.command(cls=_BatchCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=_BatchCommand, context_settings=HELP)
 @click.argument("input_path", metavar="INPUT", required=False)
 @click.option("-o", "--output", help="Output JSONL. Default: <input stem>.completions.jsonl beside a regular "
               "INPUT file, stdout for stdin or a pipe; '-' = stdout.")
@@ -245,21 +339,25 @@ def _settings(ctx: click.Context, input_path: Optional[str], job_file: Optional[
               help="KV memory the rows in flight may reach together, e.g. 2GiB or 512MiB; a row joins the batch "
                    "only while it fits, and a row that cannot fit alone becomes a kv_memory_exceeded record.  "
                    "[default: half the machine's memory (of Metal's recommended working set on a Mac)]")
+@run_options
 @click.option("--job", "job_file", type=click.Path(dir_okay=False), help="TOML job file; command-line options "
               "override it.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar; only the final summary.")
+@click.option("-v", "--verbose", is_flag=True, help="One line per finished row on stderr: id, tokens seen and kept, "
+              "compression, seconds.")
 @click.version_option(__version__, prog_name="knorm-batch")
 @click.pass_context
 def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optional[str], quiet: bool,
-                  overwrite: bool, accept_old_records: bool, **opts: Any) -> None:
+                  verbose: bool, overwrite: bool, accept_old_records: bool, **opts: Any) -> None:
     """Run every row of the JSONL file INPUT ('-' = stdin) through the model with
     L2Norm KV-cache eviction and write one JSONL record per row.
 
     Rerunning the same command resumes where it stopped. Exit status: 0 all rows
-    ok, 1 some rows failed (see their error records), 2 usage error (nothing
-    run), 3 I/O error such as a full disk (rerun to resume), 4 internal error,
-    130 interrupted by SIGINT or SIGTERM (rerun to resume), 141 the output pipe
-    was closed.
+    ok (an input with no rows too, with a warning), 1 some rows failed (the
+    summary names the first few; every one has an error record), 2 usage error
+    (nothing run), 3 I/O error such as a full disk (rerun to resume), 4 internal
+    error, 130 interrupted by SIGINT or SIGTERM (rerun to resume), 141 the
+    output pipe was closed.
     """
     settings = _settings(ctx, input_path, job_file, opts)
     try:
@@ -273,7 +371,11 @@ def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optio
                            batch_size=settings["batch_size"], overwrite=overwrite,
                            accept_old_records=accept_old_records, limit=settings.get("limit"),
                            stats_log=settings.get("stats_log"), summary_json=settings.get("summary_json"),
-                           rows=rows, max_kv_memory=max_kv)
+                           rows=rows, max_kv_memory=max_kv,
+                           extra_eos_tokens=tuple(settings.get("extra_eos_tokens") or ()),
+                           chat_template_config=settings.get("chat_template_config"),
+                           adapter_path=settings.get("adapter_path"),
+                           trust_remote_code=bool(settings.get("trust_remote_code")), verbose=verbose)
     _run(ctx, settings, options, quiet)
 
 
@@ -305,7 +407,7 @@ def _run(ctx: click.Context, settings: dict, options: BatchOptions, quiet: bool)
         # Rank 0 reports the job. A non-zero exit here would make mlx.launch stop the
         # other ranks, rank 0 among them, while it may still be printing.
         ctx.exit(0)
-    click.echo(summary.text(), err=True)
+    click.echo(summary.text(warnings=quiet), err=True)  # without -q, the run said its warnings as they arose
     if summary.interrupted or summary.io_error:
         what = "interrupted" if summary.interrupted else "stopped"
         if job.distributed:
@@ -333,6 +435,97 @@ def main(argv: Optional[list[str]] = None) -> None:
         print("knorm-batch: interrupted before any row ran; nothing was written", file=sys.stderr)
         code = EXIT_INTERRUPTED
     sys.exit(code or 0)
+
+
+@click.command(name="knorm-generate", context_settings=HELP)
+@click.option("-p", "--prompt", required=True, metavar="TEXT",
+              help="The prompt; '-' reads it from stdin. As in mlx_lm.generate, \\n and \\t in TEXT are a newline "
+                   "and a tab.")
+@click.option("--model", default=BatchOptions.model, show_default=True,
+              help="'default' (embedded SmolLM2-135M), a .gguf file, or an mlx_lm model path/id.")
+@generation_options
+@click.option("--preset", type=click.Choice(tuple(PRESETS)), default=None,
+              help="A named eviction layout (as knorm-batch --preset); the eviction options given beside it "
+                   "override it.")
+@run_options
+@click.option("-v", "--verbose", is_flag=True, help="Also print the model and the KV memory bound before the text.")
+@click.version_option(__version__, prog_name="knorm-generate")
+@click.pass_context
+def generate_command(ctx: click.Context, prompt: str, model: str, preset: Optional[str], verbose: bool,
+                     extra_eos_tokens: tuple, chat_template_config: Optional[dict], adapter_path: Optional[str],
+                     trust_remote_code: bool, **opts: Any) -> None:
+    """Generate for one prompt with L2Norm KV-cache eviction, in mlx_lm.generate's
+    shape: the text is printed as it is generated (stdout), then one stats line
+    (stderr): prompt tokens, tokens kept, compression, prompt and generation
+    speed, peak memory and the KV memory kept.
+
+    Exit status: 0 done, 2 usage error (an option, the model, an empty prompt or
+    one longer than the model's context; nothing generated), 4 internal error,
+    130 interrupted, 141 the output pipe was closed.
+    """
+    from .generate import stream_with_eviction
+    from .job import budget_warning, get_model, prepare_tokenizer
+    from .memory import kv_memory
+
+    try:
+        eviction, generation = build_configs({**opts, "preset": preset})
+    except ValueError as e:
+        raise UsageFailure(str(e)) from None
+    text = prompt.replace("\\n", "\n").replace("\\t", "\t")
+    if text == "-":
+        text = sys.stdin.read()
+    options = BatchOptions(model=model, extra_eos_tokens=extra_eos_tokens, chat_template_config=chat_template_config,
+                           adapter_path=adapter_path, trust_remote_code=trust_remote_code)
+    try:
+        loaded, tokenizer = get_model(model, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
+        tokenizer = prepare_tokenizer(tokenizer, options)
+        resolved = eviction.for_model(loaded)
+    except (BatchUsageError, ValueError) as e:
+        raise UsageFailure(str(e)) from None
+    if verbose:
+        click.echo(f"knorm-generate: model {model}; {kv_memory(loaded, resolved).describe()}", err=True)
+    result = None
+    try:
+        pieces = stream_with_eviction(loaded, tokenizer, text, eviction=resolved, generation=generation)
+        try:
+            first = next(pieces)  # the prompt is encoded and checked here: its errors are usage errors
+        except ValueError as e:
+            raise UsageFailure(str(e)) from None
+        for piece in itertools.chain([first], pieces):
+            if isinstance(piece, str):
+                click.echo(piece, nl=False)
+            else:
+                result = piece
+        click.echo()
+    except KeyboardInterrupt:
+        click.echo("\nknorm-generate: interrupted", err=True)
+        ctx.exit(EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        from .job import _silence_stdout
+
+        _silence_stdout()
+        ctx.exit(EXIT_PIPE_CLOSED)
+    except click.ClickException:
+        raise
+    except Exception:  # noqa: BLE001 - a bug: say so, with the traceback to report
+        click.echo(traceback.format_exc(), err=True, nl=False)
+        click.echo("knorm-generate: internal error (please report it)", err=True)
+        ctx.exit(EXIT_INTERNAL_ERROR)
+    click.echo(stats_line(result), err=True)
+    warning = budget_warning(resolved.budget, result.prompt_tokens, whose="the")
+    if warning:
+        click.echo(f"knorm-generate: warning: {warning}", err=True)
+
+
+def stats_line(result: Any) -> str:
+    """``knorm-generate``'s one line of numbers after the text."""
+    from .memory import mib
+
+    return (f"knorm-generate: prompt {result.prompt_tokens} tokens, kept {result.tokens_kept} of "
+            f"{result.tokens_seen} seen ({result.compression_ratio:.2f}x compression); "
+            f"prompt {result.prompt_tps:.1f} tokens/s, generation {result.generation_tps:.1f} tokens/s "
+            f"({result.generated_tokens} tokens, {result.finish_reason}); peak memory {result.peak_memory_gb:.3f} GB; "
+            f"KV kept {mib(result.kept_bytes)} of {mib(result.full_bytes)}")
 
 
 def probe_command() -> None:

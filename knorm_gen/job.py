@@ -9,6 +9,21 @@ work: side files that are the input, a second run on a locked output, an
 output whose records no longer match the input (see :func:`plan_resume`).
 This module owns the options, the summary and exit codes, the files and locks,
 the resume plan and the process group; :mod:`knorm_gen.runner` runs the rows.
+
+Exit statuses (:attr:`BatchSummary.exit_code`, and ``knorm-batch``'s):
+
+- 0 (``EXIT_OK``): every row ok. An input with no rows (an empty file, or only
+  blank lines) is 0 too: nothing failed. The run then warns ``no rows in
+  FILE`` on stderr and in the summary's ``warnings``, so a wrong path or an
+  empty pipe is not mistaken for finished work;
+- 1 (``EXIT_ROWS_FAILED``): some rows failed; each has an error record in the
+  output, and the summary prints the first few (id, line, message);
+- 2 (``EXIT_USAGE``): a usage error found before any row ran (options, input,
+  output, locks, an output made with other settings, the model); nothing ran;
+- 3 (``EXIT_IO_ERROR``): an I/O error such as a full disk; rerun to resume;
+- 4 (``EXIT_INTERNAL_ERROR``): a bug (``knorm-batch`` prints the traceback);
+- 130 (``EXIT_INTERRUPTED``): SIGINT or SIGTERM; rerun to resume;
+- 141 (``EXIT_PIPE_CLOSED``): the output pipe was closed by its reader.
 """
 
 from __future__ import annotations
@@ -44,7 +59,7 @@ from .files import (
 )
 from .memory import default_kv_limit, kv_memory, mib
 from .rows import Row, read_rows, read_share
-from .runner import RowRunner
+from .runner import RowRunner, RowSettings
 
 __all__ = [
     "BatchOptions", "BatchSummary", "BatchUsageError", "Interrupted", "run_batch", "get_model",
@@ -59,6 +74,23 @@ EXIT_IO_ERROR = 3
 EXIT_INTERNAL_ERROR = 4
 EXIT_INTERRUPTED = 130
 EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
+
+FIRST_ERRORS = 3
+"""Row errors the summary names one by one (id, line, message); the output has them all."""
+
+LOW_BUDGET_SHARE = 0.25
+"""Below this share of a prompt's tokens, a budget draws a warning (once per run):
+on the embedded model, summaries drift off topic there (README, Results)."""
+
+
+def budget_warning(budget: Optional[int], prompt_tokens: Optional[int], whose: str = "this row's") -> Optional[str]:
+    """The warning for a budget that keeps under :data:`LOW_BUDGET_SHARE` of a
+    prompt's tokens, or None."""
+    if budget is None or not prompt_tokens or budget >= LOW_BUDGET_SHARE * prompt_tokens:
+        return None
+    return (f"--budget {budget} keeps {int(100 * budget / prompt_tokens)}% of {whose} {prompt_tokens}-token "
+            f"prompt; below about {int(100 * LOW_BUDGET_SHARE)}% summaries drift off topic on the embedded model: "
+            "raise --budget or check against --budget none")
 
 
 class BatchUsageError(FileUsageError):
@@ -80,9 +112,38 @@ class BatchOptions:
     summary_json: Optional[str] = None
     rows: RowsConfig = field(default_factory=RowsConfig)
     max_kv_memory: Optional[int] = None  # bytes of KV memory in flight; None: memory.default_kv_limit()
+    # As mlx_lm.generate takes them: stop tokens added to the tokenizer's eos tokens, keyword
+    # arguments for apply_chat_template, LoRA adapters and trust_remote_code for mlx_lm's loader
+    extra_eos_tokens: tuple = ()
+    chat_template_config: Optional[dict] = None
+    adapter_path: Optional[str] = None
+    trust_remote_code: bool = False
+    verbose: bool = False  # one line per finished row on stderr
+
+    def run_config(self) -> dict:
+        """What the run options that change outputs add to every record's ``config`` (and
+        so to its fingerprint): only those set, so records of runs without them keep theirs."""
+        out: dict[str, Any] = {}
+        if self.extra_eos_tokens:
+            out["extra_eos_tokens"] = [str(t) for t in self.extra_eos_tokens]
+        if self.chat_template_config:
+            out["chat_template_config"] = self.chat_template_config
+        if self.adapter_path is not None:
+            out["adapter_path"] = str(self.adapter_path)
+        return out
 
     def check(self) -> None:
         """Raise :class:`BatchUsageError` for a bad runner setting (the configs check themselves)."""
+        if isinstance(self.extra_eos_tokens, (str, bytes)) or not all(
+                isinstance(t, (str, int)) and not isinstance(t, bool) for t in self.extra_eos_tokens):
+            raise BatchUsageError(f"extra_eos_tokens must be a list of tokens (text or ids), got "
+                                  f"{self.extra_eos_tokens!r}")
+        if self.chat_template_config is not None and not isinstance(self.chat_template_config, dict):
+            raise BatchUsageError("chat_template_config must be a JSON object (keyword arguments for the chat "
+                                  f"template), got {self.chat_template_config!r}")
+        if self.adapter_path is not None and (not isinstance(self.adapter_path, (str, os.PathLike))
+                                              or not str(self.adapter_path)):
+            raise BatchUsageError(f"adapter_path must be a path, got {self.adapter_path!r}")
         if not isinstance(self.eviction, EvictionConfig) or not isinstance(self.generation, GenerationConfig):
             raise BatchUsageError("eviction and generation must be EvictionConfig and GenerationConfig")
         if not isinstance(self.rows, RowsConfig):
@@ -127,6 +188,8 @@ class BatchSummary:
     kv_memory: str = ""  # the same, in words
     kv_limit_bytes: Optional[int] = None  # --max-kv-memory: what the rows in flight may reach together
     kv_peak_bytes: int = 0  # the most the rows in flight could reach at once in this run
+    first_errors: list = field(default_factory=list)  # the first FIRST_ERRORS failed rows: id, line, type, message
+    warnings: list = field(default_factory=list)  # said once per run (no rows, a budget far below the prompts)
 
     @property
     def exit_code(self) -> int:
@@ -141,11 +204,18 @@ class BatchSummary:
     def to_dict(self) -> dict:
         return {**asdict(self), "exit_code": self.exit_code}
 
-    def text(self) -> str:
+    def text(self, warnings: bool = True) -> str:
+        """The summary for stderr; ``warnings=False`` leaves out the warnings (a run
+        with a progress display has said them as they arose)."""
         lines = [f"knorm-batch: {self.rows} rows: {self.ok} ok, {self.failed} failed, {self.skipped} skipped "
                  f"(already done) -> {self.output}"]
         if self.errors:
             lines.append("  errors: " + ", ".join(f"{k} {v}" for k, v in sorted(self.errors.items())))
+            for error in self.first_errors:
+                lines.append(f"    {error_line(error)}")
+            if self.failed > len(self.first_errors):
+                lines.append(f"    ... {self.failed - len(self.first_errors)} more: see the error records in "
+                             f"{self.output}")
         if self.ok:
             lines.append(f"  tokens seen {self.tokens_seen}, kept {self.tokens_kept}, generated "
                          f"{self.generated_tokens}; compression mean {self.compression_mean:.2f}x "
@@ -163,7 +233,18 @@ class BatchSummary:
                          f"{numbers['generated_tokens_per_s']:.1f} tokens/s, wall {numbers['wall_s']:.1f} s")
         if self.io_error:
             lines.append(f"  stopped: {self.io_error}")
+        if warnings:
+            lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+def _row_name(row_id: Any) -> str:
+    return "no id" if row_id is None else f"id {row_id!r}"
+
+
+def error_line(error: dict) -> str:
+    """One failed row on one line: its id, then its message (which starts with its line number)."""
+    return f"{_row_name(error.get('id'))}: {error.get('type')}: {error.get('message')}"
 
 
 # ------------------------------------------------------------------ models
@@ -177,19 +258,40 @@ def _looks_like_path(spec: str) -> bool:
             or os.sep != "/" and os.sep in spec)
 
 
-def get_model(spec: str = "default") -> tuple[Any, Any]:
-    """``load_model(spec)``, cached per spec for the life of the process."""
-    key = spec or "default"
+def get_model(spec: str = "default", *, adapter_path: Optional[str] = None,
+              trust_remote_code: bool = False) -> tuple[Any, Any]:
+    """``load_model(spec, ...)``, cached per spec (and adapters) for the life of the process."""
+    name = spec or "default"
+    key: Any = name if adapter_path is None and not trust_remote_code else (name, adapter_path, trust_remote_code)
     if key not in _MODELS:
-        from .models import load_model
+        from .models import is_mlx_lm_spec, load_model
 
-        if _looks_like_path(key) and not Path(key).expanduser().exists():
-            raise BatchUsageError(f"cannot load model {key!r}: the path {Path(key).expanduser()} does not exist")
+        if _looks_like_path(name) and not Path(name).expanduser().exists():
+            raise BatchUsageError(f"cannot load model {name!r}: the path {Path(name).expanduser()} does not exist")
+        if adapter_path is not None and not is_mlx_lm_spec(name):
+            try:
+                load_model(name, adapter_path=adapter_path)  # says why, before any loading
+            except ValueError as e:
+                raise BatchUsageError(str(e).replace("adapter_path (--adapter-path)", "--adapter-path")) from None
+        if adapter_path is not None and not Path(adapter_path).expanduser().exists():
+            raise BatchUsageError(f"--adapter-path {adapter_path}: no such file or folder (the folder that holds "
+                                  "adapters.safetensors and adapter_config.json)")
         try:
-            _MODELS[key] = load_model(key)
+            _MODELS[key] = load_model(name, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
         except Exception as e:  # any loader failure is a usage error: nothing has run yet
-            raise BatchUsageError(f"cannot load model {key!r}: {e}") from e
+            raise BatchUsageError(f"cannot load model {name!r}: {e}") from e
     return _MODELS[key]
+
+
+def prepare_tokenizer(tokenizer: Any, options: "BatchOptions") -> Any:
+    """The tokenizer with the run's extra eos tokens and chat template config (a copy
+    when there are any: the cached model's own is left as it is)."""
+    from .models import with_run_options
+
+    try:
+        return with_run_options(tokenizer, options.extra_eos_tokens, options.chat_template_config)
+    except ValueError as e:
+        raise BatchUsageError(str(e)) from None
 
 
 # ------------------------------------------------------------------ resume
@@ -207,10 +309,14 @@ class ResumePlan:
     retried: int = 0
 
 
-def check_resume(records: dict, expected: dict[str, Optional[str]], accept_old: bool, where: str) -> None:
+def check_resume(records: dict, expected: dict[str, Optional[str]], accept_old: bool, where: str,
+                 configs: Optional[dict] = None, model: Optional[str] = None) -> None:
     """Refuse earlier records made from another row or other settings than the
     input and options give now, or whose id is no longer in the input, unless
-    ``accept_old`` keeps them as done. ``records`` maps id -> (fingerprint, line)."""
+    ``accept_old`` keeps them as done. ``records`` maps id -> (fingerprint, line).
+    With ``configs`` (id -> the ``config`` a record of it would carry now) and
+    ``model`` (the spec now), the refusal names the settings that differ
+    (``budget: 512 -> 128``) or says that the rows themselves changed."""
     changed = [k for k, (fp, _) in records.items() if k in expected and fp != expected[k]]
     gone = [k for k in records if k not in expected]
     if (changed or gone) and not accept_old:
@@ -218,6 +324,8 @@ def check_resume(records: dict, expected: dict[str, Optional[str]], accept_old: 
         if changed:
             parts.append(f"{len(changed)} finished record(s) were made from another row or other settings than "
                          f"the input and options give now (first: id {changed[0]!r})")
+            if configs is not None:
+                parts += _what_changed([(k, records[k][1]) for k in changed], configs, model)
         if gone:
             parts.append(f"{len(gone)} record(s) have ids that are no longer in the input (first: id {gone[0]!r})")
         raise BatchUsageError(f"{where}: " + "; ".join(parts) + ". Nothing was run. Use --overwrite to start "
@@ -225,7 +333,61 @@ def check_resume(records: dict, expected: dict[str, Optional[str]], accept_old: 
                               "as they are (counted as done).")
 
 
-def plan_resume(output: str, expected: dict[str, Optional[str]], accept_old: bool) -> ResumePlan:
+_UNSET = object()
+_MAX_COMPARED = 1000  # changed records whose settings a refusal compares (each is parsed again)
+
+
+def _shown(value: Any) -> str:
+    if value is _UNSET:
+        return "(not set)"
+    if value is None:
+        return "none"
+    if isinstance(value, str) and value and value.strip() == value and "->" not in value:
+        return value
+    return json.dumps(value, ensure_ascii=False)
+
+
+def settings_changes(old: dict, config: dict, model: Optional[str]) -> list[str]:
+    """``name: old -> new`` for each setting (and the model) where an earlier record
+    ``old`` differs from the ``config`` a record would carry now."""
+    changes = []
+    if model is not None and old.get("model") != model:
+        changes.append(f"model: {_shown(old.get('model'))} -> {_shown(model)}")
+    before = old.get("config") if isinstance(old.get("config"), dict) else {}
+    now = json.loads(json.dumps(config))  # tuples as lists, keys as text: as the record holds it
+    for name in [*now, *(k for k in before if k not in now)]:
+        a, b = before.get(name, _UNSET), now.get(name, _UNSET)
+        if a != b:
+            changes.append(f"{name}: {_shown(a)} -> {_shown(b)}")
+    return changes
+
+
+def _what_changed(changed: list, configs: dict, model: Optional[str]) -> list[str]:
+    """The settings that differ between the changed records and now, and the rows
+    whose settings are the same (so their content changed)."""
+    changes: dict[str, None] = {}
+    same_settings: list[str] = []
+    for key, line in changed[:_MAX_COMPARED]:
+        old = rec.parse_record(line.rstrip(b"\n"))
+        if old is None or key not in configs:
+            continue
+        found = settings_changes(old, configs[key], model)
+        if found:
+            changes.update(dict.fromkeys(found))
+        else:
+            same_settings.append(key)
+    parts = []
+    if changes:
+        listed = list(changes)
+        parts.append("settings that differ: " + ", ".join(listed[:8]) + (", ..." if len(listed) > 8 else ""))
+    if same_settings:
+        parts.append(f"{len(same_settings)} of them have the same settings, so their rows changed in the input "
+                     f"(first: id {same_settings[0]!r})")
+    return parts
+
+
+def plan_resume(output: str, expected: dict[str, Optional[str]], accept_old: bool,
+                configs: Optional[dict] = None, model: Optional[str] = None) -> ResumePlan:
     """Compare an earlier output with the input's rows (see :func:`check_resume`).
 
     ``expected`` maps each input row's id to the fingerprint a record of it
@@ -235,7 +397,7 @@ def plan_resume(output: str, expected: dict[str, Optional[str]], accept_old: boo
         state = rec.scan_output(output)
     except rec.OutputCorrupt as e:
         raise BatchUsageError(str(e)) from None
-    check_resume(state.records, expected, accept_old, output)
+    check_resume(state.records, expected, accept_old, output, configs, model)
     return ResumePlan(done=set(state.records), keep=[line for _, line in state.records.values()],
                       keys=list(state.records), rewrite=state.needs_rewrite, torn=state.torn,
                       retried=state.dropped_errors)
@@ -350,6 +512,8 @@ class _Prepared:
     total: int  # rows this process will see
     limit: Optional[int] = None
     lines: dict = field(default_factory=dict)  # every input row's id -> its line number
+    configs: dict = field(default_factory=dict)  # every input row's id -> the config its record would carry
+    items: int = 0  # rows and bad lines in the whole input (0: an empty input)
 
 
 def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokenizer, progress, log, stdout,
@@ -361,7 +525,8 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
         ready = _prepare(files, options, model, tokenizer, group)
         try:
             try:
-                plan = _plan(files, ready.expected, options, group, log if progress else None, ready.lines)
+                plan = _plan(files, ready.expected, options, group, log if progress else None, ready.lines,
+                             ready.configs)
             except OSError as e:  # a rewrite (a torn line cut) on a full disk
                 raise BatchUsageError(f"cannot rewrite {e.filename or files.own_output}: {e.strerror or e}; "
                                       "nothing was run") from None
@@ -382,9 +547,13 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
                                kv_growth_bytes_per_token=memory.growth_bytes_per_token, kv_memory=memory.describe())
         if progress:
             log(memory.describe())  # before a long job: is this configuration bounded?
+        if ready.items == 0 and options.limit != 0 and group.rank == 0:
+            name = "stdin" if files.input == "-" else files.input
+            _warn(summary, f"no rows in {name}: the input is empty (or holds only blank lines), so nothing ran; "
+                           "the exit status is 0", log if progress else None)
         try:
             signals.graceful = True
-            _loop(ready, writer, stats, plan.done, summary, progress, signals, group)
+            _loop(ready, writer, stats, plan.done, summary, progress, signals, group, log, options.verbose)
         finally:
             signals.graceful = False
             for closing in (writer, stats):
@@ -413,16 +582,19 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
         if options.summary_json and group.rank == 0 and not is_stream(options.summary_json):
             remove_stale_temps(options.summary_json)
         if model is None:
-            model, tokenizer = get_model(options.model)
+            model, tokenizer = get_model(options.model, adapter_path=options.adapter_path,
+                                         trust_remote_code=options.trust_remote_code)
+        tokenizer = prepare_tokenizer(tokenizer, options)
         try:
-            runner = RowRunner(model, tokenizer, model_spec=options.model, eviction=options.eviction,
-                               generation=options.generation, batch_size=options.batch_size, rows=options.rows,
-                               kv_limit_bytes=options.max_kv_memory or default_kv_limit())
+            runner = _Runner(model, tokenizer, model_spec=options.model, eviction=options.eviction,
+                             generation=options.generation, batch_size=options.batch_size, rows=options.rows,
+                             kv_limit_bytes=options.max_kv_memory or default_kv_limit(),
+                             run_config=options.run_config())
         except ValueError as e:
             raise BatchUsageError(str(e)) from None
         memory = kv_memory(model, runner.base.eviction)
-        expected, total, lines = _scan_rows(stream, runner, options.limit, group)
-        ready = _Prepared(stream, locks, runner, memory, expected, total, options.limit, lines)
+        expected, total, lines, configs, items = _scan_rows(stream, runner, options.limit, group)
+        ready = _Prepared(stream, locks, runner, memory, expected, total, options.limit, lines, configs, items)
     except KeyboardInterrupt:
         error = Interrupted()
     except BaseException as e:  # noqa: BLE001 - in a group, every rank must hear of it (below)
@@ -442,6 +614,30 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
     return ready
 
 
+class _Runner(RowRunner):
+    """The row runner, with the run options that change outputs (:meth:`BatchOptions.run_config`)
+    in every record's ``config``, and so in its fingerprint."""
+
+    def __init__(self, *args: Any, run_config: dict, **kwargs: Any):
+        self.run_config = run_config
+        super().__init__(*args, **kwargs)
+
+    def settings_for(self, overrides: dict) -> RowSettings:
+        settings = super().settings_for(overrides)
+        if self.run_config:
+            settings.config.update(self.run_config)  # the cached settings' own dict: the same each time
+        return settings
+
+
+def _warn(summary: BatchSummary, message: str, log: Optional[Callable[[str], None]]) -> None:
+    """A warning, once per run: in the summary, and on stderr now when the run shows progress."""
+    if message in summary.warnings:
+        return
+    summary.warnings.append(message)
+    if log:
+        log(f"knorm-batch: warning: {message}")
+
+
 def _release(ready: _Prepared) -> None:
     for lock in ready.locks:
         lock.release()
@@ -450,12 +646,13 @@ def _release(ready: _Prepared) -> None:
 
 
 def _loop(ready: _Prepared, writer, stats, done: set, summary: BatchSummary, progress: bool, signals,
-          group: Group) -> None:
+          group: Group, log: Optional[Callable[[str], None]] = None, verbose: bool = False) -> None:
     tic = time.perf_counter()
     label = f"rank 0/{group.size}" if group.distributed else None
     bar = tqdm(total=ready.total, unit="row", file=sys.stderr, dynamic_ncols=True, desc=label,
                disable=not (progress and sys.stderr.isatty()))
-    sink = _Sink(writer, stats, summary, bar, kv=ready.runner.kv)
+    sink = _Sink(writer, stats, summary, bar, kv=ready.runner.kv, log=log or _stderr, verbose=verbose,
+                 live=progress)
     items = read_share(ready.stream, ready.limit, group.rank, group.size, shape=ready.runner.rows)
     with bar:
         try:
@@ -489,29 +686,31 @@ def _write_summary(path: Optional[str], summary: BatchSummary) -> None:
 
 
 def _plan(files: _Files, expected: dict, options: BatchOptions, group: Group,
-          log: Optional[Callable[[str], None]], lines: Optional[dict] = None) -> ResumePlan:
+          log: Optional[Callable[[str], None]], lines: Optional[dict] = None,
+          configs: Optional[dict] = None) -> ResumePlan:
     """What is already done. One process: its output. A group: every rank's earlier
-    records (its part files and, on rank 0's machine, the final output), exchanged."""
+    records (its part files and, on rank 0's machine, the final output), exchanged.
+    ``configs`` (id -> config now) let a refusal name the settings that differ."""
     if is_stream(files.own_output):
         return ResumePlan()
     if group.distributed:
-        return _plan_group(files, expected, options, group, log)
-    return _plan_alone(files, expected, options, log, lines or {})
+        return _plan_group(files, expected, options, group, log, configs)
+    return _plan_alone(files, expected, options, log, lines or {}, configs)
 
 
 def _plan_alone(files: _Files, expected: dict, options: BatchOptions,
-                log: Optional[Callable[[str], None]], lines: dict) -> ResumePlan:
+                log: Optional[Callable[[str], None]], lines: dict, configs: Optional[dict] = None) -> ResumePlan:
     parts = local_parts(files.output)
     if options.overwrite:
         for path in parts:
             path.unlink(missing_ok=True)
         return ResumePlan()
-    plan = plan_resume(files.own_output, expected, options.accept_old_records)
+    plan = plan_resume(files.own_output, expected, options.accept_old_records, configs, options.model)
     if parts:  # an earlier run across several processes stopped before its merge: take its records in
         have = set(plan.done)
         extra = [(k, fp, line.encode("utf-8")) for k, fp, line in _local_records(files) if k not in have]
         extra = list({k: (fp, line) for k, fp, line in extra}.items())
-        check_resume(dict(extra), expected, options.accept_old_records, files.output)
+        check_resume(dict(extra), expected, options.accept_old_records, files.output, configs, options.model)
         plan.keep += [line for _, (_, line) in extra]
         plan.keys += [k for k, _ in extra]
         plan.done |= {k for k, _ in extra}
@@ -545,6 +744,8 @@ def _reconcile_stats(path: str, plan: ResumePlan, lines: dict) -> None:
         except (ValueError, RecursionError):
             entry = None
         if isinstance(entry, dict) and "id" in entry and entry.get("error") is None:
+            if "answers" in entry and "n_answers" not in entry:  # a log from before n_answers: renamed
+                raw = rec.dump_record(rec.upgrade_stats_entry(entry))
             entries[rec.id_key(entry["id"])] = raw  # the latest entry of an id is its record's
     want = []
     for key, line in zip(plan.keys, plan.keep):
@@ -561,7 +762,7 @@ def _reconcile_stats(path: str, plan: ResumePlan, lines: dict) -> None:
 
 
 def _plan_group(files: _Files, expected: dict, options: BatchOptions, group: Group,
-                log: Optional[Callable[[str], None]]) -> ResumePlan:
+                log: Optional[Callable[[str], None]], configs: Optional[dict] = None) -> ResumePlan:
     if options.overwrite:
         for path in [*local_parts(files.output)] + ([*local_parts(files.stats_log)] if files.stats_log else []):
             if str(path) not in (files.own_output, files.own_stats):
@@ -574,7 +775,7 @@ def _plan_group(files: _Files, expected: dict, options: BatchOptions, group: Gro
             current = union.get(key)
             if current is None or (current[0] != expected.get(key) and fp == expected.get(key)):
                 union[key] = (fp, line.encode("utf-8"))
-    check_resume(union, expected, options.accept_old_records, files.output)
+    check_resume(union, expected, options.accept_old_records, files.output, configs, options.model)
     state = rec.scan_output(files.own_output)  # this rank's part: cut a torn line, drop failed records
     if state.needs_rewrite:
         rewrite_atomically(files.own_output, [line for _, line in state.records.values()])
@@ -617,11 +818,27 @@ def _finish_group(files: _Files, ready: _Prepared, plan: ResumePlan, summary: Ba
                               options.accept_old_records)
         rewrite_atomically(files.output, lines)
         if files.stats_log:
-            rewrite_atomically(files.stats_log, merge_stats(_read(Path(files.stats_log)), stats_blobs))
+            rewrite_atomically(files.stats_log, merge_stats(_upgrade_stats(_read(Path(files.stats_log))),
+                                                            stats_blobs))
     group.barrier()  # rank 0 has written and fsynced the final files: the parts are redundant now
     for path in dict.fromkeys(parts + stats_parts):
         path.unlink(missing_ok=True)
     return total if group.rank == 0 else summary
+
+
+def _upgrade_stats(data: bytes) -> bytes:
+    """A stats log with the entries of older logs renamed (``answers`` -> ``n_answers``)."""
+    if b'"answers"' not in data:
+        return data
+    out = []
+    for raw in data.splitlines(keepends=True):
+        try:
+            entry = json.loads(raw) if raw.endswith(b"\n") else None
+        except (ValueError, RecursionError):
+            entry = None
+        out.append(rec.dump_record(rec.upgrade_stats_entry(entry))
+                   if isinstance(entry, dict) and "answers" in entry and "n_answers" not in entry else raw)
+    return b"".join(out)
 
 
 def _read(path: Path) -> bytes:
@@ -653,6 +870,9 @@ def combine_summaries(summaries: list[dict], files: _Files) -> BatchSummary:
     for s in summaries:
         for kind, n in s["errors"].items():
             total.errors[kind] = total.errors.get(kind, 0) + n
+    errors = sorted((e for s in summaries for e in s.get("first_errors", ())), key=lambda e: e.get("line") or 0)
+    total.first_errors = errors[:FIRST_ERRORS]
+    total.warnings = list(dict.fromkeys(w for s in summaries for w in s.get("warnings", ())))
     total.ranks = [{k: s[k] for k in ("rows", "ok", "failed", "skipped", "tokens_seen", "generated_tokens",
                                       "wall_s", "generated_tokens_per_s")} for s in summaries]
     return total
@@ -668,21 +888,27 @@ def _open_writer(path: str, fresh: bool, stdout: Optional[BinaryIO]) -> rec.Reco
 
 
 def _scan_rows(stream: BinaryIO, runner: RowRunner, limit: Optional[int],
-               group: Group) -> tuple[dict[str, Optional[str]], int, dict[str, int]]:
+               group: Group) -> tuple[dict[str, Optional[str]], int, dict[str, int], dict[str, dict], int]:
     """Every input row's id -> the fingerprint its record would carry, the
-    number of rows this process will see (after --limit, in its share), and
-    every row's id -> its line number."""
+    number of rows this process will see (after --limit, in its share),
+    every row's id -> its line number, every row's id -> the config its record
+    would carry (rows with valid settings), and the number of items (rows and
+    bad lines) in the whole input."""
     expected: dict[str, Optional[str]] = {}
     lines: dict[str, int] = {}
-    total = 0
+    configs: dict[str, dict] = {}
+    total = items = 0
     for n, item in enumerate(read_rows(stream, shape=runner.rows)):
+        items += 1
         if isinstance(item, Row):
             expected[item.key] = runner.fingerprint(item)
             lines[item.key] = item.line
+            if expected[item.key] is not None:
+                configs[item.key] = runner.settings_for(item.overrides).config  # shared by rows alike
         if (limit is None or n < limit) and shard_of(n, group.size) == group.rank:
             total += 1
     stream.seek(0)
-    return expected, total, lines
+    return expected, total, lines, configs, items
 
 
 # ------------------------------------------------------------------ signals and output
@@ -725,12 +951,24 @@ class _Sink:
     """Writes each finished record whole, and counts it in the summary and the bar.
     A closed output pipe or an I/O error sets ``stopped``: the run ends there."""
 
-    def __init__(self, writer, stats, summary: BatchSummary, bar, kv=None):
+    def __init__(self, writer, stats, summary: BatchSummary, bar, kv=None, log: Optional[Callable[[str], None]] = None,
+                 verbose: bool = False, live: bool = False):
         self.writer, self.stats, self.summary, self.bar = writer, stats, summary, bar
         self.kv = kv  # the runner's KVLimit: memory in flight for the bar and the summary
+        self.log = log or _stderr
+        self.verbose = verbose  # a line per finished row
+        self.live = live  # warnings said as they arise (else only in the summary)
         self.ratios: list[float] = []
         self.decode_s = 0.0
         self.stopped = False
+        self.budget_warned = False
+
+    def say(self, message: str) -> None:
+        """A line on stderr, above the progress bar when there is one."""
+        if not self.bar.disable:
+            tqdm.write(message, file=sys.stderr)
+        else:
+            self.log(message)
 
     def emit(self, record: Optional[dict], line: int) -> None:
         """Write one finished record (None: a row skipped as already done)."""
@@ -769,14 +1007,32 @@ class _Sink:
             summary.failed += 1
             kind = record["error"]["type"]
             summary.errors[kind] = summary.errors.get(kind, 0) + 1
-            if not self.bar.disable:  # per-row notes only beside a live progress bar
+            if len(summary.first_errors) < FIRST_ERRORS:
+                summary.first_errors.append({"id": record["id"], "line": record["error"].get("line", line),
+                                             "type": kind, "message": record["error"]["message"]})
+            if not self.bar.disable and not self.verbose:  # per-row notes only beside a live progress bar
                 tqdm.write(f"error: {record['error']['message']}", file=sys.stderr)
+        if self.verbose:
+            self.say(row_line(record, line))
+        if record["error"] is None and not self.budget_warned:
+            self._check_budget(record, line)
         self.bar.set_postfix({"ok": summary.ok, "failed": summary.failed,
                               "tok/s": f"{summary.generated_tokens / self.decode_s:.1f}" if self.decode_s else "-",
                               "compress": f"{sum(self.ratios) / len(self.ratios):.2f}x" if self.ratios else "-",
                               **({"kv": f"{self.kv.in_flight / 2**20:.0f}MiB"} if self.kv else {})},
                              refresh=False)
         self.bar.update(1)
+
+    def _check_budget(self, record: dict, line: int) -> None:
+        config = record.get("config") or {}
+        message = budget_warning(config.get("budget"), record.get("prompt_tokens"))
+        if message:
+            self.budget_warned = True
+            message += f" (first such row: {_row_name(record['id'])}, line {line}; said once per run)"
+            if self.live:
+                _warn(self.summary, message, self.say)
+            else:
+                self.summary.warnings.append(message)
 
     def _failed(self, what: str, writer, e: OSError) -> None:
         self.stopped = True
@@ -807,6 +1063,18 @@ class _Sink:
         if wall_s > 0:
             summary.tokens_per_s = summary.tokens_seen / wall_s
             summary.generated_tokens_per_s = summary.generated_tokens / wall_s
+
+
+def row_line(record: dict, line: int) -> str:
+    """``--verbose``: one finished row on one line (id, tokens seen and kept, compression, seconds)."""
+    name = f"row {_row_name(record['id']).removeprefix('id ')}"
+    if record["error"] is not None:  # its message starts with its line number
+        return f"{name}: failed: {record['error']['type']}: {record['error']['message']}"
+    name += f" (line {line})"
+    seconds = (record.get("prefill_s") or 0.0) + (record.get("decode_s") or 0.0)
+    ratio = record.get("compression_ratio")
+    return (f"{name}: {record['tokens_seen']} tokens seen, {record['tokens_kept']} kept, "
+            f"{f'{ratio:.2f}x' if ratio is not None else '-'}, {seconds:.2f} s")
 
 
 def _silence_stdout() -> None:

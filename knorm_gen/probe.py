@@ -223,7 +223,7 @@ def probe_cli(argv: Optional[list[str]] = None) -> None:
     """``knorm-probe``: print the per-layer table and the suggested skip_layers."""
     import click
 
-    @click.command(name="knorm-probe")
+    @click.command(name="knorm-probe", context_settings={"help_option_names": ["-h", "--help"]})
     @click.option("--model", "model_spec", default="default", show_default=True,
                   help="'default' (embedded SmolLM2), a GGUF path, or an mlx_lm model path/id.")
     @click.option("--tokens", "n_tokens", default=1024, show_default=True, type=click.IntRange(min=128),

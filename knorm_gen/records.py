@@ -124,13 +124,23 @@ def finite(record: dict) -> dict:
 
 
 def stats_entry(record: dict, line: int) -> dict:
-    """A record without its texts (``completion``, ``answers``, ``meta``), for --stats-log."""
+    """A record without its texts (``completion``, ``answers``, ``meta``), for --stats-log.
+    ``n_answers`` counts a question row's answers (null for a prompt row); older logs
+    called it ``answers``, the name of the output's list (:func:`upgrade_stats_entry`)."""
     entry = {"id": record["id"], "line": line}
     entry.update({k: record[k] for k in STATS_FIELDS})
-    entry["answers"] = len(record["answers"]) if record["answers"] is not None else None
+    entry["n_answers"] = len(record["answers"]) if record["answers"] is not None else None
     entry.update(model=record["model"], config=record["config"],
                  error=record["error"]["type"] if record["error"] else None)
     return entry
+
+
+def upgrade_stats_entry(entry: dict) -> dict:
+    """A stats-log entry of an older log (its count of answers named ``answers``, as the
+    output names the list) with the field named ``n_answers``, in the same place."""
+    if "answers" not in entry or "n_answers" in entry:
+        return entry
+    return {("n_answers" if k == "answers" else k): v for k, v in entry.items()}
 
 
 # ------------------------------------------------------------------ writing

@@ -198,17 +198,33 @@ def _id_error(row_id: Any) -> Optional[str]:
     return None
 
 
+DOCUMENT_FIELDS = ("text", "article", "body", "document", "content")
+"""Fields that often hold a row's document: a row with one of them and no prompt,
+messages or document field gets a hint naming ``--context-field``."""
+
+
+def _document_hint(obj: dict, shape: RowsConfig) -> str:
+    """``; use --context-field text --question "..."`` for a row whose document sits in a
+    field that is not the --context-field; empty when there is none."""
+    found = next((k for k in DOCUMENT_FIELDS if k != shape.context_field and isinstance(obj.get(k), str)), None)
+    if found is None:
+        return ""
+    question = "" if shape.questions or "question" in obj or "questions" in obj else ' --question "..."'
+    return (f"; this row has a {found!r} field: to use it as the document, use --context-field {found}{question} "
+            f"(or context_field = \"{found}\" under [rows] in a job file)")
+
+
 def _body_error(obj: dict, row: Row, shape: RowsConfig) -> Optional[str]:
     """Fill ``row`` from the one of prompt / messages / document the object holds."""
     field = shape.context_field
     given = [k for k in ("prompt", "messages", field) if k in obj]
     if not given and shape.questions:
         return (f"field {field!r} (the document, --context-field) is missing; with --question every row needs "
-                "it, or a 'prompt' or 'messages' of its own")
+                "it, or a 'prompt' or 'messages' of its own" + _document_hint(obj, shape))
     if len(given) != 1:
         what = "none" if not given else " and ".join(repr(k) for k in given)
         return (f"a row needs exactly one of 'prompt', 'messages', or {field!r} (with 'question' "
-                f"or 'questions'); got {what}")
+                f"or 'questions'); got {what}" + (_document_hint(obj, shape) if not given else ""))
     kind = given[0]
     if kind != field and ("question" in obj or "questions" in obj):
         return f"'question'/'questions' go with {field!r}, not with " + repr(kind)

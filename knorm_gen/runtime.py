@@ -137,11 +137,24 @@ def runtime_info() -> dict[str, Any]:
     }
 
 
+def _one_line(message, category, filename, lineno, line=None) -> str:
+    """A warning as its own text on one line: no source location, no source line."""
+    return " ".join(str(message).split()) + "\n"
+
+
 def _warn_once(key: str, message: str) -> None:
+    """Warn once per process and cause. Shown as one line (the message alone, not
+    the file and line of the code that noticed it); still a RuntimeWarning, so
+    ``-W`` filters and ``warnings.catch_warnings`` see it as before."""
     if key in _warned:
         return
     _warned.add(key)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    original = warnings.formatwarning
+    warnings.formatwarning = _one_line
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    finally:
+        warnings.formatwarning = original
 
 
 def warn_if_slow(*, keeps_low_precision: bool | None = None) -> None:

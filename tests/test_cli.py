@@ -59,7 +59,7 @@ def test_default_output_beside_input_and_summary(tmp_path, loaded_model):
     assert "2 rows: 2 ok, 0 failed, 0 skipped" in result.stderr and "compression mean" in result.stderr
     # the default bounds all 30 layers: the summary states the ceiling (30 x budget x 1536 bytes per position)
     budget = int(FAST[FAST.index("--budget") + 1]) if "--budget" in FAST else 512
-    assert f"KV memory per row: at most {30 * budget * 1536 / 2**20:.1f} MiB, whatever the input length" \
+    assert f"KV memory per row: at most {30 * budget * 1536 / 2**20:.1f} MiB for the document whatever its length" \
         in result.stderr
     assert result.stdout == ""
 
@@ -279,7 +279,8 @@ def test_early_factor_bounds_memory_and_says_so(tmp_path, loaded_model):
     # SmolLM2-135M: 3 KV heads x 64 dims x (key + value) x 4 bytes per position and layer;
     # layers 0-8 hold 8 x 16 positions, the other 21 hold 16
     ceiling = 3 * 64 * 2 * 4 * (9 * 8 * 16 + 21 * 16)
-    assert f"KV memory per row: at most {ceiling / 2**20:.1f} MiB, whatever the input length" in result.stderr
+    assert f"KV memory per row: at most {ceiling / 2**20:.1f} MiB for the document whatever its length" \
+        in result.stderr
     clash = invoke(inp, *FAST, "--early-factor", "8", "--skip-layers", "0,1", "-o", str(tmp_path / "x.jsonl"))
     assert clash.exit_code == 2 and "early_factor" in clash.stderr
 
@@ -296,6 +297,7 @@ FIELD_VALUES = {
     "skip_layers": ("0,2", [0, 2], "skip_layers", [0, 2]),
     "layer_budgets": ("1:40", {"1": 40}, "layer_budgets", {"1": 40}),
     "early_factor": ("3", 3, "layer_budgets", {"0": 48, "1": 48}),
+    "coverage": ("0.25", 0.25, "coverage", 0.25),
     "max_tokens": ("3", 3, "max_tokens", 3),
     "temperature": ("0.5", 0.5, "temperature", 0.5),
     "top_p": ("0.9", 0.9, "top_p", 0.9),
@@ -311,6 +313,7 @@ FIELD_VALUES = {
     "system_prompt": ("Be brief.", "Be brief.", "system_prompt", "Be brief."),
     "questions": ("Why?", ["Why?"], "questions", ["Why?"]),
     "context_field": ("text", "text", "context_field", "text"),
+    "pin_prefix_chars": ("5", 5, "pin_prefix_chars", 5),
 }
 
 

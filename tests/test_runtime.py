@@ -126,3 +126,20 @@ def test_warn_if_slow_on_low_precision(monkeypatch):
         runtime.warn_if_slow(keeps_low_precision=True)
     assert len(caught) == 1
     assert "float32" in str(caught[0].message)
+
+
+def test_the_slow_blas_warning_is_one_line_once_per_process():
+    # Printed on every run where OpenBLAS is missing: the message alone, on one line, not the
+    # source location warnings.warn shows by default ("models.py:153: RuntimeWarning: ...").
+    if not runtime.on_cpu():
+        pytest.skip("CPU-only warning")
+    code = ("import knorm_gen.runtime as r\n"
+            "r._blas_path, r._blas_status = None, 'not found'\n"
+            "r.warn_if_slow(keeps_low_precision=False)\nr.warn_if_slow(keeps_low_precision=False)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "default"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=120)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 0 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("knorm_gen: MLX runs on the CPU with its reference BLAS (not found)")
+    assert ".py:" not in lines[0] and "RuntimeWarning" not in lines[0] and "apt-get install" in lines[0]
