@@ -528,6 +528,165 @@ def stats_line(result: Any) -> str:
             f"KV kept {mib(result.kept_bytes)} of {mib(result.full_bytes)}")
 
 
+@click.command(name="knorm-tune", context_settings=HELP)
+@click.argument("docs", required=False, type=click.Path(dir_okay=False, allow_dash=False))
+@click.option("--model", default=BatchOptions.model, show_default=True,
+              help="'default' (embedded SmolLM2-135M), a .gguf file, or an mlx_lm model path/id.")
+@click.option("--context-field", default="text", show_default=True, help="The field of DOCS holding a document.")
+@click.option("--budget", type=click.IntRange(min=8), default=None,
+              help="Tokens kept per layer (default: each document's tokens / --ratio).")
+@click.option("--ratio", type=click.FloatRange(min=1.5), default=4.0, show_default=True,
+              help="Compression: a document's tokens per kept token.")
+@click.option("--job", "job_kind", type=click.Choice(("summarize", "retrieve", "both")), default="both",
+              show_default=True, help="What the layout is chosen for.")
+@click.option("--arms", default=None, help="Candidates, comma-separated (default: the bounded rules alone and with "
+              "coverage, and random eviction). All: " + ",".join(("keydiff", "low", "blend", "low_cov25", "low_cov50",
+                                                                  "keydiff_cov25", "blend_cov25", "retrieval",
+                                                                  "paper", "random")))
+@click.option("--docs-limit", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Documents measured (the first ones of DOCS, or of the shipped corpus).")
+@click.option("--doc-tokens", type=click.IntRange(min=256), default=2048, show_default=True,
+              help="Each document is cut to its first N tokens.")
+@click.option("--quick", is_flag=True, help="One document of 1024 tokens and three candidates (a few minutes).")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Also write the full result as JSON here.")
+@click.option("--no-save", is_flag=True, help="Do not save the choice as this model's tuning (--preset auto).")
+@click.version_option(__version__, prog_name="knorm-tune")
+def tune_command(docs: Optional[str], model: str, context_field: str, budget: Optional[int], ratio: float,
+                 job_kind: str, arms: Optional[str], docs_limit: int, doc_tokens: int, quick: bool, out: Optional[str],
+                 no_save: bool) -> None:
+    """Measure eviction layouts on YOUR model (and your documents, DOCS: JSONL rows
+    with the document in --context-field) on three tasks at equal budget, through
+    the product's own prefill: summary fidelity (the full cache's own summary,
+    teacher-forced), pass keys placed inside the documents, and perplexity. Prints
+    the table (the chosen layout first), saves the choice as this model's tuning
+    (used by --preset auto and knorm_gen.tuned_config) and, with --out, the JSON.
+
+    Without DOCS it measures the long sections of CPython's pydoc_data.topics.
+    Exit status: 0 done, 2 usage error (before any measurement), 130 interrupted.
+    """
+    import json
+
+    from .job import get_model
+    from .tune import CANDIDATES, QUICK_ARMS, TUNE_ARMS, Doc, save_tuning, tune
+
+    names = QUICK_ARMS if quick and not arms else tuple(a.strip() for a in (arms or ",".join(TUNE_ARMS)).split(","))
+    unknown = [a for a in names if a not in CANDIDATES]
+    if unknown:
+        raise UsageFailure(f"unknown candidate(s) {', '.join(unknown)}; choose from {', '.join(CANDIDATES)}")
+    if "random" not in names:
+        names = (*names, "random")  # the control every verdict is measured against
+    if quick:
+        docs_limit, doc_tokens = 1, min(doc_tokens, 1024)
+    documents = _tune_documents(docs, context_field, docs_limit)
+    try:
+        loaded, tokenizer = get_model(model)
+    except (BatchUsageError, ValueError) as e:
+        raise UsageFailure(str(e)) from None
+    lengths = [min(len(tokenizer.encode(d.text, add_special_tokens=False)), doc_tokens) for d in documents]
+    if budget is not None:
+        short = [d.name for d, n in zip(documents, lengths) if n < 2 * budget]
+        if short:
+            raise UsageFailure(f"--budget {budget} keeps half or more of {len(short)} document(s) ({short[0]}, ...): "
+                               f"a tuning needs documents of at least twice the budget; lower --budget or give "
+                               f"longer documents")
+        ratio = sum(lengths) / len(lengths) / budget
+    elif min(lengths) < 256:
+        raise UsageFailure(f"document {documents[lengths.index(min(lengths))].name} has {min(lengths)} tokens; "
+                           f"a tuning needs documents of at least 256 tokens")
+    click.echo(f"knorm-tune: {len(names)} candidates on {len(documents)} document(s) of about "
+               f"{sum(lengths) // len(lengths)} tokens at {ratio:.1f}x, job {job_kind}", err=True)
+    try:
+        record = tune(loaded, tokenizer, documents, ratio=ratio, job=job_kind, arms=names, doc_tokens=doc_tokens,
+                      quick=quick, log=lambda m: None)
+    except KeyboardInterrupt:
+        click.echo("knorm-tune: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    record["model"] = model
+    click.echo(tune_table(record))
+    if not no_save:
+        click.echo(f"saved as this model's tuning (--preset auto): {save_tuning(loaded, record)}", err=True)
+    if out:
+        Path(out).write_text(json.dumps(record, indent=1))
+        _tune_plot(record, Path(out).with_suffix(".png"))
+
+
+def _tune_documents(path: Optional[str], field: str, limit: int) -> list:
+    """The documents to tune on: DOCS' rows, or the shipped corpus. UsageFailure names a bad file."""
+    import json
+
+    from .corpus import pydoc_sections
+    from .tune import Doc
+
+    if path is None:
+        return [Doc(f"pydoc:{name}", text) for name, text in pydoc_sections(min_chars=9000)[:limit]]
+    docs = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageFailure(f"cannot read {path}: {e}") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageFailure(f"{path} line {n}: not JSON ({e.msg}); each line must be an object like "
+                               f'{{"id": 1, "{field}": "..."}}') from None
+        text = row.get(field) if isinstance(row, dict) else None
+        if not isinstance(text, str) or not text.strip():
+            have = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
+            raise UsageFailure(f"{path} line {n}: no text in field '{field}' (it has: {have}); name the document's "
+                               f"field with --context-field")
+        docs.append(Doc(str(row.get("id", n)), text))
+        if len(docs) >= limit:
+            break
+    if not docs:
+        raise UsageFailure(f"{path} holds no rows; give JSONL rows with the document in '{field}'")
+    return docs
+
+
+def tune_table(record: dict) -> str:
+    """The terminal table: the chosen layout first, then the others, then why."""
+    from .tune import CANDIDATES, bounded
+
+    table = record["table"]
+    order = [record["chosen"]] + [a for a in table if a not in (record["chosen"], "full")] + ["full"]
+    lines = [f"{'layout':15s} {'fidelity':>8s} {'wins/rand':>9s} {'keys':>7s} {'ppl x':>6s}  memory"]
+    for a in order:
+        v = table[a]
+        rec = "-" if v["recovered"] is None else f"{v['recovered']:.0%}"
+        ppl = "-" if v["ppl_ratio"] is None else f"{v['ppl_ratio']:.3f}"
+        mem = "grows with input" if a == "full" or not bounded(CANDIDATES.get(a, {})) else "bounded"
+        mark = " <- chosen" if a == record["chosen"] else ""
+        lines.append(f"{a:15s} {rec:>8s} {v['wins_vs_random']:>4d}/{v['fidelity_docs']:<4d} "
+                     f"{v['keys_of_full']:>3d}/{v['full_keys']:<3d} {ppl:>6s}  {mem}{mark}")
+    lines.append(f"chosen: {record['chosen']} {record['layout']}: {record['why']}")
+    return "\n".join(lines)
+
+
+def _tune_plot(record: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        click.echo("knorm-tune: no plot (pip install 'knorm-gen[plot]' for matplotlib)", err=True)
+        return
+    table = {a: v for a, v in record["table"].items() if a != "full"}
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for a, v in table.items():
+        if v["recovered"] is not None:
+            ax.scatter(v["keys_of_full"] / max(v["full_keys"], 1), v["recovered"], label=a)
+            ax.annotate(a, (v["keys_of_full"] / max(v["full_keys"], 1), v["recovered"]), fontsize=7)
+    ax.set_xlabel("pass keys, share of the full cache's")
+    ax.set_ylabel("summary fidelity (recovered)")
+    ax.set_title(f"knorm-tune at {record['ratio']:.1f}x (equal bytes)")
+    fig.tight_layout()
+    fig.savefig(path)
+    click.echo(f"knorm-tune: plot {path}", err=True)
+
+
 def probe_command() -> None:
     """``knorm-probe``: the key-norm / attention probe (lives in :mod:`knorm_gen.probe`)."""
     from .probe import probe_cli

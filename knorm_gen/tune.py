@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 
@@ -285,3 +286,170 @@ def run(tuner: Tuner, docs: Sequence[Doc], *, tasks: Sequence[str] = ("fidelity"
         if on_rows:
             on_rows(rows)
     return rows
+
+
+# ---- choosing a layout for one model, and remembering it ------------------------------
+
+TUNE_ARMS = ("keydiff", "low", "low_cov25", "keydiff_cov25", "blend_cov25", "random")
+"""What ``knorm-tune`` measures by default (``--arms`` for more): the bounded rules,
+each alone and with a coverage share, and random eviction as the control."""
+QUICK_ARMS = ("keydiff", "low_cov25", "random")
+JOBS = ("summarize", "retrieve", "both")
+KEYS_TARGET = 0.9  # at least this share of the full cache's pass keys
+FIDELITY_SLACK = 0.02  # and summary fidelity no more than this below random eviction's
+
+
+class NoTuningError(LookupError):
+    """No saved tuning for this model (and budget)."""
+
+
+def bounded(fields: dict) -> bool:
+    """Whether a layout bounds every layer (no layer left whole)."""
+    return fields.get("skip_layers", ()) == () and fields.get("keep") != "full"
+
+
+def choose(summary: dict[str, dict], job: str, arms: dict[str, dict]) -> tuple[str, str]:
+    """``(arm, why)``: the layout to use for ``job`` from a :func:`summarize` table.
+    A candidate qualifies when it finds at least :data:`KEYS_TARGET` of the full
+    cache's pass keys (retrieve, both) and keeps at least random eviction's summary
+    fidelity less :data:`FIDELITY_SLACK` (summarize, both); bounded layouts first;
+    among those that qualify, the most fidelity (the most keys for retrieve). When
+    none qualifies, the one that comes closest, and ``why`` says what it misses."""
+    rand = summary.get("random", {}).get("recovered")
+    full_keys = max(summary.get("full", {}).get("full_keys", 0), 1)
+
+    def keys(a):
+        return summary[a]["keys_of_full"] / full_keys
+
+    def fid(a):
+        return summary[a]["recovered"] if summary[a]["recovered"] is not None else float("-inf")
+
+    def misses(a):
+        out = []
+        if job in ("retrieve", "both") and keys(a) < KEYS_TARGET:
+            out.append(f"pass keys {keys(a):.0%} of the full cache's (target {KEYS_TARGET:.0%})")
+        if job in ("summarize", "both") and rand is not None and fid(a) < rand - FIDELITY_SLACK:
+            out.append(f"fidelity {fid(a):.0%} against random eviction's {rand:.0%}")
+        return out
+
+    names = [a for a in arms if a != "random" and a in summary]
+    if not names:
+        raise ValueError("no candidate besides random was measured")
+
+    def order(a):
+        score = (keys(a), fid(a)) if job == "retrieve" else (fid(a), keys(a))
+        return (not misses(a), bounded(arms[a]), *score)
+
+    best = max(names, key=order)
+    detail = (f"pass keys {keys(best):.0%} of the full cache's, fidelity {fid(best):.0%}"
+              + (f" (random eviction {rand:.0%})" if rand is not None else ""))
+    if misses(best):
+        return best, f"no candidate met every target; closest: {detail}; misses {'; '.join(misses(best))}"
+    return best, f"meets the targets with {detail}" + ("" if bounded(arms[best]) else "; memory grows with the input")
+
+
+def model_identity(model: Any) -> str:
+    """A digest of the model's weights (shapes and a sample of every tensor): a tuning
+    is kept per model, whatever path it was loaded from."""
+    import hashlib
+
+    from mlx.utils import tree_flatten
+
+    h = hashlib.sha256()
+    for name, w in tree_flatten(model.parameters()):
+        sample = w.reshape(-1)[:4096]
+        if sample.dtype not in (mx.float32, mx.uint32, mx.int32):
+            sample = sample.astype(mx.float32)
+        h.update(f"{name}{tuple(w.shape)}{w.dtype}".encode())
+        h.update(np.array(sample).tobytes())
+    return h.hexdigest()[:24]
+
+
+def tuning_dir() -> "Path":
+    from pathlib import Path
+
+    from .gguf import cache_root
+
+    return Path(cache_root()) / "tuned"
+
+
+def tuning_path(model: Any) -> "Path":
+    return tuning_dir() / f"{model_identity(model)}.json"
+
+
+def save_tuning(model: Any, record: dict) -> "Path":
+    """Write ``record`` (what :func:`tune` returns) as this model's saved tuning."""
+    import json
+    import os
+
+    path = tuning_path(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def load_tuning(model: Any) -> Optional[dict]:
+    import json
+
+    path = tuning_path(model)
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def tuned_config(model: Any, budget: Optional[int] = None) -> EvictionConfig:
+    """The layout ``knorm-tune`` chose for ``model`` (at ``budget`` when given, else
+    the budget it was tuned at). Raises :class:`NoTuningError` naming the command to
+    run when this model has none."""
+    saved = load_tuning(model)
+    if saved is None:
+        raise NoTuningError("no saved tuning for this model: run `knorm-tune --model <this model>` (on a few of "
+                            "your own documents: `knorm-tune --model M docs.jsonl --context-field text`)")
+    return EvictionConfig(**{**saved["layout"], "budget": budget if budget is not None else saved["budget"]})
+
+
+def auto_config(model: Any, eviction: EvictionConfig) -> tuple[EvictionConfig, str]:
+    """``--preset auto``: the saved tuning's layout at ``eviction``'s budget, or the
+    default layout; and one line saying which and why. A tuning made at another
+    budget ratio is still this model's best measured layout, so it is used; the line
+    says at which ratio it was measured."""
+    from dataclasses import replace
+
+    saved = load_tuning(model)
+    if saved is None:
+        return eviction, ("preset auto: no saved tuning for this model, so the default layout runs (keep="
+                          f"{eviction.keep}); run `knorm-tune --model ...` to measure one")
+    fields = {k: v for k, v in saved["layout"].items() if k != "budget"}
+    if "skip_layers" in fields and fields["skip_layers"] is not None:
+        fields["skip_layers"] = tuple(fields["skip_layers"])
+    return replace(eviction, **fields), (f"preset auto: {saved['chosen']} ({_describe(fields)}), tuned for job "
+                                         f"{saved['job']} at {saved['ratio']:g}x on {len(saved['docs'])} documents")
+
+
+def _describe(fields: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def tune(model: Any, tokenizer: Any, docs: Sequence[Doc], *, ratio: float = 4.0, job: str = "both",
+         arms: Sequence[str] = TUNE_ARMS, depths: Sequence[float] = (0.25, 0.75), doc_tokens: int = 2048,
+         log: Callable[[str], None] = print, quick: bool = False) -> dict:
+    """Measure ``arms`` (names of :data:`CANDIDATES`) on ``docs`` for this model and
+    choose one for ``job``: a record with the table, the chosen layout and why."""
+    if job not in JOBS:
+        raise ValueError(f"job must be one of {', '.join(JOBS)}; got {job!r}")
+    tok = as_tokenizer(tokenizer)
+    docs = [Doc(d.name, head_tokens(tok, d.text, doc_tokens)) for d in docs]
+    chosen_arms = {a: CANDIDATES[a] for a in arms}
+    tuner = Tuner(model, tok, chosen_arms, ratio=ratio, log=log, modes=("ctq",) if quick else ("ctq", "whole"))
+    # every task whatever the job: the job only weighs them (a summary layout that loses
+    # every needle, or a retrieval one that loses the document, is reported as such)
+    rows = run(tuner, docs, tasks=("fidelity", "ppl"))
+    rows = run(tuner, docs, tasks=("passkey",), depths=depths, done=rows)
+    table = summarize(rows, ["full", *chosen_arms])
+    name, why = choose(table, job, chosen_arms)
+    n_tokens = [len(tok.encode(d.text, add_special_tokens=False)) for d in docs]
+    return dict(model_identity=model_identity(model), chosen=name, why=why, layout=dict(chosen_arms[name]),
+                job=job, ratio=ratio, budget=int(sum(n_tokens) / len(n_tokens) / ratio), docs=[d.name for d in docs],
+                table=table, rows=rows, bounded=bounded(chosen_arms[name]))
