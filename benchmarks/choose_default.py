@@ -35,9 +35,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--arms", default=",".join(CANDIDATES), help="candidates, comma-separated")
     ap.add_argument("--docs", type=int, default=3, help="documents of the split")
     ap.add_argument("--doc-tokens", type=int, default=2048)
+    ap.add_argument("--key-doc-tokens", type=int, default=1536, help="pass keys: documents cut to this many tokens")
     ap.add_argument("--ratio", type=float, default=4.0)
     ap.add_argument("--tasks", default="fidelity,passkey,ppl")
-    ap.add_argument("--depths", default="0.2,0.5,0.8")
+    ap.add_argument("--depths", default="0.25,0.75")
     ap.add_argument("--filler-depths", default="0.3,0.7")
     ap.add_argument("--modes", default="ctq", help="pass-key modes: ctq (context, then the pinned question), "
                     "whole (one prompt, nothing pinned)")
@@ -65,7 +66,8 @@ def main(argv=None) -> dict:
     depths = [float(x) for x in args.depths.split(",")]
     rows = run(tuner, docs, tasks=[t for t in tasks if t != "passkey"], done=done, on_rows=save)
     if "passkey" in tasks:
-        rows = run(tuner, docs, tasks=["passkey"], fillers=(), depths=depths, done=rows, on_rows=save)
+        key_docs = [Doc(d.name, head_tokens(tok, d.text, args.key_doc_tokens)) for d in docs]
+        rows = run(tuner, key_docs, tasks=["passkey"], fillers=(), depths=depths, done=rows, on_rows=save)
         rows = run(tuner, [], tasks=["passkey"], fillers=SPLIT_FILLERS[args.split],
                    depths=[float(x) for x in args.filler_depths.split(",")], seed=1, done=rows, on_rows=save)
     save(rows)

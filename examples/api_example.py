@@ -1,4 +1,4 @@
-"""Generate with L2Norm KV-cache eviction from Python.
+"""Generate with KV-cache eviction from Python (the default rule; the instructions are never evicted).
 
 Run: python examples/api_example.py   (about half a minute on 2 CPU cores)
 """

@@ -1,4 +1,4 @@
-"""knorm_gen: mlx_lm generation with L2Norm key-norm KV-cache eviction."""
+"""knorm_gen: mlx_lm generation with KV-cache eviction (the L2Norm rule, KeyDiff and more on one machinery) that never evicts the instructions."""
 
 # Must run before anything imports mlx.core: MLX resolves BLAS symbols at load.
 from .runtime import preload_blas as _preload_blas

@@ -350,7 +350,9 @@ def _settings(ctx: click.Context, input_path: Optional[str], job_file: Optional[
 def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optional[str], quiet: bool,
                   verbose: bool, overwrite: bool, accept_old_records: bool, **opts: Any) -> None:
     """Run every row of the JSONL file INPUT ('-' = stdin) through the model with
-    L2Norm KV-cache eviction and write one JSONL record per row.
+    KV-cache eviction (the default rule, or the one --keep or --preset names; the
+    instructions, questions and answers are never evicted) and write one JSONL
+    record per row.
 
     Rerunning the same command resumes where it stopped. Exit status: 0 all rows
     ok (an input with no rows too, with a warning), 1 some rows failed (the
@@ -454,7 +456,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 def generate_command(ctx: click.Context, prompt: str, model: str, preset: Optional[str], verbose: bool,
                      extra_eos_tokens: tuple, chat_template_config: Optional[dict], adapter_path: Optional[str],
                      trust_remote_code: bool, **opts: Any) -> None:
-    """Generate for one prompt with L2Norm KV-cache eviction, in mlx_lm.generate's
+    """Generate for one prompt with KV-cache eviction (the default rule, or the chosen one), in mlx_lm.generate's
     shape: the text is printed as it is generated (stdout), then one stats line
     (stderr): prompt tokens, tokens kept, compression, prompt and generation
     speed, peak memory and the KV memory kept.

@@ -116,7 +116,7 @@ def generate_with_eviction(
     generation: Optional[GenerationConfig] = None,
     **settings: Any,
 ) -> GenerationResult:
-    """Generate a completion with L2Norm KV-cache eviction.
+    """Generate a completion with KV-cache eviction (the default rule, or the chosen one).
 
     ``prompt`` is text (the chat template is applied when the tokenizer has one,
     unless ``chat=False``), token ids, or chat messages. Settings come from

@@ -44,6 +44,7 @@ CANDIDATES: dict[str, dict] = {
     "low_cov25": dict(keep="low", skip_layers=(), coverage=0.25),
     "low_cov50": dict(keep="low", skip_layers=(), coverage=0.5),
     "keydiff_cov25": dict(keep="keydiff", skip_layers=(), coverage=0.25),
+    "keydiff_cov50": dict(keep="keydiff", skip_layers=(), coverage=0.5),
     "blend_cov25": dict(keep="blend", skip_layers=(), coverage=0.25),
     "retrieval": dict(keep="low", skip_layers=None),  # the first 30% of layers whole: unbounded
     "paper": dict(keep="low", skip_layers=(0, 1)),  # unbounded
@@ -53,7 +54,8 @@ CANDIDATES: dict[str, dict] = {
 the task's). ``random`` is every candidate's equal-bytes control."""
 
 SUMMARY_QUESTION = "Summarize the text above in three sentences."
-KEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
+KEY_QUESTION = "What is the pass key? Answer with the number only."
+KEY_CUE = "What is the pass key? The pass key is"  # completion style: a base model continues it
 FILLERS = {
     "grass": "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ",
     "ledger": "The ledger lists the usual entries for the week. Nothing in it is out of the ordinary. ",
@@ -175,9 +177,12 @@ class Tuner:
 
     # ---- pass keys ---------------------------------------------------------------
     def passkey(self, name: str, context: str, key: str, depth: float) -> list[dict]:
+        """The key asked for after the context: through the chat template when the model
+        has one (an instruct model answers a question), else completion style."""
         tok, model = self.tok, self.model
-        prefix, (q_ids,) = split_question_prompts(tok, context, [KEY_QUESTION.lstrip("\n")], chat=False,
-                                                  question_separator="\n\n")
+        question = KEY_QUESTION if self.chat else KEY_CUE
+        prefix, (q_ids,) = split_question_prompts(tok, context, [question], chat=self.chat)
+        spans = context_spans(tok, context, prefix, chat=self.chat)
         whole = prefix + q_ids
         budget = max(8, int(len(prefix) / self.ratio))
         rows = []
@@ -185,12 +190,12 @@ class Tuner:
             answers = {}
             if "ctq" in self.modes:
                 self._seed(name + key)
-                caches = prefill(model, prefix, self.caches(arm, budget, ((0, len(prefix)),)), self.step)
-                answers["ctq"] = tok.decode(_greedy(model, tok, q_ids, caches, 8))
+                caches = prefill(model, prefix, self.caches(arm, budget, spans), self.step)
+                answers["ctq"] = tok.decode(_greedy(model, tok, q_ids, caches, 16))
             if "whole" in self.modes:
                 self._seed(name + key)
                 caches = prefill(model, whole[:-1], self.caches(arm, budget), self.step)
-                answers["whole"] = tok.decode(_greedy(model, tok, whole[-1:], caches, 8))
+                answers["whole"] = tok.decode(_greedy(model, tok, whole[-1:], caches, 16))
             for mode, text in answers.items():
                 rows.append(dict(task="passkey", doc=name, arm=arm, mode=mode, depth=depth, key=key,
                                  tokens=len(prefix), budget=None if arm == "full" else budget, ok=key in text,

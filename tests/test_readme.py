@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import document_span, kept_after
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+DOCS = "\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
 N_LAYERS, N_SKIPPED = 30, 0  # the embedded model; the default bounds every layer
 
 
@@ -21,7 +24,7 @@ def python_blocks():
 
 def shell_lines(command):
     lines = []
-    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+    for block in re.findall(r"```bash\n(.*?)```", README + DOCS, flags=re.S):
         for line in block.splitlines():
             line = line.split("#")[0].strip()
             if line.startswith("mlx.launch ") and f" -- {command} " in line:
@@ -48,17 +51,29 @@ def executed():
     return namespace, outputs
 
 
+def block_output(executed, marker):
+    """What the README's python block containing ``marker`` printed."""
+    blocks = python_blocks()
+    (i,) = [i for i, b in enumerate(blocks) if marker in b]
+    return executed[1][i]
+
+
+def test_readme_python_blocks_exist():
+    assert len(python_blocks()) == 4
+
+
 def test_api_block_prints_true_numbers(executed):
-    ns, outputs = executed
+    ns, _ = executed
+    out = block_output(executed, "generate_with_eviction(")
     tok, result = ns["tokenizer"], ns["result"]
     prompt = "Explain in two sentences why the sky is blue."
-    n_prompt = len(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                           tokenize=True))
-    seen, kept, shown_ratio, _tps = _numbers_line(outputs[0])
-    assert int(seen) == n_prompt + len(result.tokens)
-    assert int(kept) == min(int(seen), 64)
-    assert shown_ratio == f"{ratio(int(seen), 64):.2f}x"
-    answers = [line for line in outputs[0] if " -> " in line]
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    seen, kept, shown_ratio, _tps = _numbers_line(out)
+    assert int(seen) == len(ids) + len(result.tokens)
+    # only the prompt's own text is evictable (template and answer pinned)
+    assert int(kept) == kept_after(int(seen), document_span(tok, ids, prompt), 64)
+    assert shown_ratio == f"{int(seen) / int(kept):.2f}x"
+    answers = [line for line in out if " -> " in line]
     assert len(answers) == 1 and answers[0].startswith("Where does the Rhine rise? -> ")
     assert answers[0].split(" -> ", 1)[1].strip()
 
@@ -71,25 +86,25 @@ def _numbers_line(lines):
 
 
 def test_cache_block_prints_true_numbers(executed):
-    ns, outputs = executed
+    ns, _ = executed
     cache = ns["cache"]
     seen = cache[0].offset  # every layer is an eviction cache by default; offset counts every position fed
     n_prompt = len(ns["prompt"])
-    assert type(cache[0]).__name__ == "L2NormKVCache" and n_prompt < seen <= n_prompt + 40
-    assert outputs[2] == [f"{seen} 32 {ratio(seen, 32):.2f}x"]
+    assert type(cache[0]).__name__ == "EvictionKVCache" and n_prompt < seen <= n_prompt + 40
+    # no spans given: every position is evictable, so each layer holds exactly the budget
+    assert block_output(executed, "make_eviction_cache(") == [f"{seen} 32 {ratio(seen, 32):.2f}x"]
 
 
 def test_batch_block_prints_one_true_line_per_prompt(executed):
-    ns, outputs = executed
+    ns, _ = executed
     tok = ns["tokenizer"]
-    lines = outputs[1]
+    lines = block_output(executed, "generate_batch_with_eviction(")
     assert len(lines) == len(ns["prompts"]) == 3
     for prompt, line in zip(ns["prompts"], lines):
-        n_prompt = len(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                               tokenize=True))
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
         m = re.match(r"^(\d+)\+(\d+) tokens, (\d+) kept: ", line)
-        assert m and int(m[1]) == n_prompt  # in input order
-        assert int(m[3]) == min(32, n_prompt + int(m[2]))
+        assert m and int(m[1]) == len(ids)  # in input order
+        assert int(m[3]) == kept_after(len(ids) + int(m[2]), document_span(tok, ids, prompt), 32)
 
 
 @pytest.mark.parametrize("line", shell_lines("knorm-batch"))
@@ -127,4 +142,10 @@ def test_memory_block_prints_true_numbers(executed):
     assert list(ns["layouts"]) == list(positions)
     expected = [f"{name} {[round(row * held(n) / 2**20, 1) for n in lengths]} {None if cap is None else row * cap}"
                 for name, (held, cap) in positions.items()]
-    assert outputs[3] == expected
+    assert block_output(executed, "kv_memory(") == expected
+
+
+def test_readme_reads_in_ten_minutes_and_its_links_exist():
+    assert len(README.splitlines()) <= 350
+    for link in re.findall(r"\]\(((?:docs|benchmarks)/[^)#]+)\)", README):
+        assert (ROOT / link).exists(), link
