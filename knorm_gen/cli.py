@@ -382,11 +382,11 @@ def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optio
 def _run(ctx: click.Context, settings: dict, options: BatchOptions, quiet: bool) -> None:
     from .distributed import PeerLost, group as launch_group
 
-    job = launch_group()  # one process unless started by mlx.launch
+    group = launch_group()  # one process unless started by mlx.launch
     try:
-        summary = run_batch(settings["input"], settings.get("output"), options, progress=not quiet, group=job)
+        summary = run_batch(settings["input"], settings.get("output"), options, progress=not quiet, group=group)
     except BatchUsageError as e:
-        if job.rank:  # every rank reaches the same verdict; rank 0 says it
+        if group.rank:  # every rank reaches the same verdict; rank 0 says it
             ctx.exit(EXIT_USAGE)
         raise UsageFailure(str(e)) from None
     except Interrupted:
@@ -403,15 +403,15 @@ def _run(ctx: click.Context, settings: dict, options: BatchOptions, quiet: bool)
         ctx.exit(EXIT_INTERNAL_ERROR)
     if summary.pipe_closed:
         ctx.exit(summary.exit_code)  # the reader left: end quietly, as Unix tools do
-    if job.rank and not (summary.interrupted or summary.io_error):
+    if group.rank and not (summary.interrupted or summary.io_error):
         # Rank 0 reports the job. A non-zero exit here would make mlx.launch stop the
         # other ranks, rank 0 among them, while it may still be printing.
         ctx.exit(0)
     click.echo(summary.text(warnings=quiet), err=True)  # without -q, the run said its warnings as they arose
     if summary.interrupted or summary.io_error:
         what = "interrupted" if summary.interrupted else "stopped"
-        if job.distributed:
-            click.echo(f"rank {job.rank}: {what}; every finished record is in its part file. Rerun the same "
+        if group.distributed:
+            click.echo(f"rank {group.rank}: {what}; every finished record is in its part file. Rerun the same "
                        "mlx.launch command (without --overwrite) to resume", err=True)
         elif summary.output == "-":
             click.echo(f"{what} after {summary.ok + summary.failed} rows; output went to stdout, so there is "

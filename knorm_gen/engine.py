@@ -9,12 +9,12 @@ caches join its batch protocol: ``L2NormKVCache.merge`` builds a
 host unaided is the model's shared full-attention mask, so every step runs inside
 :func:`~knorm_gen.mlx_compat.own_layer_masks`.
 
-A :class:`Job` is a prompt (one sequence) or a context with questions: the
+A :class:`Request` is a prompt (one sequence) or a context with questions: the
 context is prefilled once through its own eviction cache, in
 ``prefill_step_size`` blocks, and each question then joins the same continuous
 batch as every other row with a pinned copy of it (question and answer never
-evicted). :func:`run_jobs` admits jobs while fewer than ``batch_size``
-sequences are in flight and yields each job as its last sequence finishes.
+evicted). :func:`run_jobs` admits requests while fewer than ``batch_size``
+sequences are in flight and yields each request as its last sequence finishes.
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ class BatchEngine:
 
 
 @dataclass
-class Job:
+class Request:
     """One unit of work for :func:`run_jobs`: a prompt (``ids``), or a context
     (``context_ids``) with ``questions`` and their ``question_ids``.
     ``tag`` is the caller's (the runner keeps its row there)."""
@@ -254,7 +254,7 @@ Outcome = Union[list[GenerationResult], Exception]
 
 
 class KVLimit:
-    """Admission by KV memory: a job joins the batch only while the KV bytes the
+    """Admission by KV memory: a request joins the batch only while the KV bytes the
     sequences in flight can reach, plus its own, stay within ``limit_bytes``.
     Bounded layers count at their ceiling (a pinned question's tokens on top);
     layers that keep every token count at the prompt plus ``max_tokens``, and in
@@ -274,37 +274,37 @@ class KVLimit:
             self._memory[eviction] = kv_memory(self.model, eviction)
         return self._memory[eviction]
 
-    def needs(self, job: "Job") -> list[KVNeed]:
-        """One need per sequence of the job."""
-        memory, max_tokens = self.memory(job.eviction), job.generation.max_tokens
+    def needs(self, request: "Request") -> list[KVNeed]:
+        """One need per sequence of the request."""
+        memory, max_tokens = self.memory(request.eviction), request.generation.max_tokens
 
         def need(tokens: int) -> KVNeed:
-            return sequence_need(memory, tokens, pinned=pinned_count(job.spans, job.eviction.n_sink, tokens))
+            return sequence_need(memory, tokens, pinned=pinned_count(request.spans, request.eviction.n_sink, tokens))
 
-        if job.ids is not None:
-            return [need(len(job.ids) + max_tokens)]
-        return [need(len(job.context_ids) + len(q) + max_tokens) for q in job.question_ids]
+        if request.ids is not None:
+            return [need(len(request.ids) + max_tokens)]
+        return [need(len(request.context_ids) + len(q) + max_tokens) for q in request.question_ids]
 
-    def bytes_with(self, job: Optional["Job"] = None, *, alone: bool = False) -> int:
-        """KV bytes the sequences in flight (none when ``alone``) plus ``job``'s can reach."""
-        extra = self.needs(job) if job is not None else []
-        growth = self.memory(job.eviction).growth_bytes_per_token if job is not None else self._growth
+    def bytes_with(self, request: Optional["Request"] = None, *, alone: bool = False) -> int:
+        """KV bytes the sequences in flight (none when ``alone``) plus ``request``'s can reach."""
+        extra = self.needs(request) if request is not None else []
+        growth = self.memory(request.eviction).growth_bytes_per_token if request is not None else self._growth
         return batch_bytes(extra + ([] if alone else list(self._needs.values())), growth)
 
-    def check_alone(self, job: "Job") -> None:
-        """Raise :class:`KVMemoryExceeded` for a job that cannot fit even alone."""
-        need = self.bytes_with(job, alone=True)
+    def check_alone(self, request: "Request") -> None:
+        """Raise :class:`KVMemoryExceeded` for a request that cannot fit even alone."""
+        need = self.bytes_with(request, alone=True)
         if need > self.limit:
-            what = "its prompt plus max_tokens" if job.ids is not None else (
-                f"its {len(job.questions)} question(s) over the compressed context, each with max_tokens")
+            what = "its prompt plus max_tokens" if request.ids is not None else (
+                f"its {len(request.questions)} question(s) over the compressed context, each with max_tokens")
             raise KVMemoryExceeded(f"this row needs {mib(need)} ({need} bytes) of KV memory ({what}), more than "
                                    f"the limit of {mib(self.limit)} ({self.limit} bytes, --max-kv-memory); raise "
                                    "the limit, lower --budget or max_tokens, or bound every layer (--early-factor)")
 
-    def admit(self, job: "Job") -> None:
-        self._growth = self.memory(job.eviction).growth_bytes_per_token
-        for i, need in enumerate(self.needs(job)):
-            self._needs[(job.key, i)] = need
+    def admit(self, request: "Request") -> None:
+        self._growth = self.memory(request.eviction).growth_bytes_per_token
+        for i, need in enumerate(self.needs(request)):
+            self._needs[(request.key, i)] = need
         self._update()
 
     def release(self, key: Hashable) -> None:
@@ -312,9 +312,9 @@ class KVLimit:
         self._needs.pop(key, None)
         self._update()
 
-    def release_job(self, job: "Job") -> None:
-        for i in range(job.sequences):
-            self._needs.pop((job.key, i), None)
+    def release_request(self, request: "Request") -> None:
+        for i in range(request.sequences):
+            self._needs.pop((request.key, i), None)
         self._update()
 
     def _update(self) -> None:
@@ -322,110 +322,111 @@ class KVLimit:
         self.peak = max(self.peak, self.in_flight)
 
 
-def run_jobs(model: Any, tokenizer: Any, jobs: Iterable[Job], *, batch_size: int = DEFAULT_BATCH_SIZE,
-             seed: Optional[int] = None, alone: Optional[Callable[[Job], list[GenerationResult]]] = None,
-             kv_limit: Optional[KVLimit] = None) -> Iterator[tuple[Job, Outcome]]:
-    """Run ``jobs`` through one continuous batch, yielding ``(job, results)`` as each
-    job finishes (one result per prompt, one per question, in order).
+def run_jobs(model: Any, tokenizer: Any, requests: Iterable[Request], *, batch_size: int = DEFAULT_BATCH_SIZE,
+             seed: Optional[int] = None, alone: Optional[Callable[[Request], list[GenerationResult]]] = None,
+             kv_limit: Optional[KVLimit] = None) -> Iterator[tuple[Request, Outcome]]:
+    """Run ``requests`` through one continuous batch, yielding ``(request, results)`` as
+    each request finishes (one result per prompt, one per question, in order).
 
     Jobs are read lazily: the next is taken only while fewer than ``batch_size``
-    sequences are in flight, so an endless iterable works. A job whose settings
+    sequences are in flight, so an endless iterable works. A request whose settings
     differ from the running batch's (another budget) waits until the batch has
     drained, then starts a new one (seeded again with ``seed``). If a batch step
-    fails, every job in flight is run again with ``alone`` (when given), so that
+    fails, every request in flight is run again with ``alone`` (when given), so that
     only a bad one fails: its outcome is then the exception. Without ``alone``
     the failure propagates.
 
-    With ``kv_limit``, a job joins only while the KV memory in flight plus its
-    own stays within the limit (the batch drains until it does); a job that
+    With ``kv_limit``, a request joins only while the KV memory in flight plus its
+    own stays within the limit (the batch drains until it does); a request that
     cannot fit even alone gets :class:`~knorm_gen.memory.KVMemoryExceeded` as its
     outcome (or raises it, without ``alone``)."""
     engine: Optional[BatchEngine] = None
-    flight: dict[Hashable, tuple[Job, list]] = {}  # job key -> (job, results by sequence)
+    flight: dict[Hashable, tuple[Request, list]] = {}  # request key -> (request, results by sequence)
 
-    def finish(key, result) -> Optional[tuple[Job, Outcome]]:
+    def finish(key, result) -> Optional[tuple[Request, Outcome]]:
         if kv_limit is not None:
             kv_limit.release(key)
-        job_key, index = key
-        job, results = flight[job_key]
+        request_key, index = key
+        request, results = flight[request_key]
         results[index] = result
         if all(r is not None for r in results):
-            del flight[job_key]
-            return job, results
+            del flight[request_key]
+            return request, results
         return None
 
-    def step() -> Iterator[tuple[Job, Outcome]]:
+    def step() -> Iterator[tuple[Request, Outcome]]:
         nonlocal engine
         try:
             finished = engine.step()
         except KeyboardInterrupt:
             raise
-        except Exception:  # noqa: BLE001 - the batch failed: run its jobs alone, so only a bad one fails
+        except Exception:  # noqa: BLE001 - the batch failed: run its requests alone, so only a bad one fails
             if alone is None:
                 raise
-            stuck = [job for job, _ in flight.values()]
+            stuck = [request for request, _ in flight.values()]
             flight.clear()
             engine = None
-            for job in stuck:
+            for request in stuck:
                 if kv_limit is not None:
-                    kv_limit.release_job(job)
-            for job in stuck:
-                yield job, _alone(alone, job)
+                    kv_limit.release_request(request)
+            for request in stuck:
+                yield request, _alone(alone, request)
             return
         for key, result in finished:
             done = finish(key, result)
             if done is not None:
                 yield done
 
-    def drain() -> Iterator[tuple[Job, Outcome]]:
+    def drain() -> Iterator[tuple[Request, Outcome]]:
         while engine is not None and len(engine):
             yield from step()
 
-    for job in jobs:
+    for request in requests:
         if kv_limit is not None:
             try:
-                kv_limit.check_alone(job)
+                kv_limit.check_alone(request)
             except KVMemoryExceeded as e:
                 if alone is None:
                     raise
-                yield job, e
+                yield request, e
                 continue
-        if engine is not None and job.batch_key != (engine.eviction, engine.prefill_step_size):
+        if engine is not None and request.batch_key != (engine.eviction, engine.prefill_step_size):
             yield from drain()
             engine = None
-        while kv_limit is not None and engine is not None and len(engine) and kv_limit.bytes_with(job) > kv_limit.limit:
+        while (kv_limit is not None and engine is not None and len(engine)
+               and kv_limit.bytes_with(request) > kv_limit.limit):
             yield from step()  # wait for room
         if kv_limit is not None:
-            kv_limit.admit(job)
+            kv_limit.admit(request)
         if engine is None:
-            engine = BatchEngine(model, tokenizer, job.eviction, batch_size=batch_size,
-                                 prefill_step_size=job.generation.prefill_step_size, seed=seed)
-        flight[job.key] = (job, [None] * job.sequences)
+            engine = BatchEngine(model, tokenizer, request.eviction, batch_size=batch_size,
+                                 prefill_step_size=request.generation.prefill_step_size, seed=seed)
+        flight[request.key] = (request, [None] * request.sequences)
         try:
-            if job.ids is not None:
-                engine.add((job.key, 0), job.ids, job.generation, spans=job.spans)
+            if request.ids is not None:
+                engine.add((request.key, 0), request.ids, request.generation, spans=request.spans)
             else:
-                engine.add_questions(job.key, job.context_ids, job.questions, job.question_ids, job.generation,
-                                     job.spans)
+                engine.add_questions(request.key, request.context_ids, request.questions, request.question_ids,
+                                     request.generation, request.spans)
         except KeyboardInterrupt:
             raise
-        except Exception as e:  # noqa: BLE001 - a context whose prefill fails is that job's failure
+        except Exception as e:  # noqa: BLE001 - a context whose prefill fails is that request's failure
             if alone is None:
                 raise
-            del flight[job.key]
+            del flight[request.key]
             if kv_limit is not None:
-                kv_limit.release_job(job)
-            yield job, e
+                kv_limit.release_request(request)
+            yield request, e
             continue
         while engine is not None and len(engine) >= batch_size:
             yield from step()
     yield from drain()
 
 
-def _alone(alone: Callable[[Job], list[GenerationResult]], job: Job) -> Outcome:
+def _alone(alone: Callable[[Request], list[GenerationResult]], request: Request) -> Outcome:
     try:
-        return alone(job)
+        return alone(request)
     except KeyboardInterrupt:
         raise
-    except Exception as e:  # noqa: BLE001 - reported as that job's outcome
+    except Exception as e:  # noqa: BLE001 - reported as that request's outcome
         return e
