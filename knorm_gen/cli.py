@@ -27,6 +27,7 @@ import click
 from click.core import ParameterSource
 
 from . import __version__
+from .admission import parse_size
 from .config import (
     EVICTION_FIELDS,
     GENERATION_FIELDS,
@@ -36,7 +37,6 @@ from .config import (
     RowsConfig,
     PRESETS,
     make_configs,
-    parse_size,
 )
 from .job import (
     EXIT_INTERNAL_ERROR,

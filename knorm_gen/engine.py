@@ -27,12 +27,12 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from .admission import KVLimit, KVMemoryExceeded
 from .cache import copy_caches, make_eviction_cache, pin_caches
 from .config import DEFAULT_PREFILL_STEP, GenerationConfig, ResolvedEviction, settings_dict
-from .memory import KVMemory, KVMemoryExceeded, KVNeed, batch_bytes, kv_memory, mib, sequence_need
 from .mlx_compat import generator_step, own_layer_masks
 from .prompts import as_tokenizer
-from .scores import ALL_EVICTABLE, Spans, pinned_count
+from .scores import ALL_EVICTABLE, Spans
 from .results import GenerationResult
 
 DEFAULT_BATCH_SIZE = 8
@@ -253,75 +253,6 @@ class Request:
 Outcome = Union[list[GenerationResult], Exception]
 
 
-class KVLimit:
-    """Admission by KV memory: a request joins the batch only while the KV bytes the
-    sequences in flight can reach, plus its own, stay within ``limit_bytes``.
-    Bounded layers count at their ceiling (a pinned question's tokens on top);
-    layers that keep every token count at the prompt plus ``max_tokens``, and in
-    a batch at the longest row (mlx_lm's batch cache pads rows to it).
-    ``in_flight`` and ``peak`` are what the admitted sequences can reach."""
-
-    def __init__(self, model: Any, limit_bytes: int):
-        self.model, self.limit = model, limit_bytes
-        self._memory: dict[ResolvedEviction, KVMemory] = {}
-        self._needs: dict[Hashable, KVNeed] = {}
-        self._growth = 0
-        self.in_flight = 0
-        self.peak = 0
-
-    def memory(self, eviction: ResolvedEviction) -> KVMemory:
-        if eviction not in self._memory:
-            self._memory[eviction] = kv_memory(self.model, eviction)
-        return self._memory[eviction]
-
-    def needs(self, request: "Request") -> list[KVNeed]:
-        """One need per sequence of the request."""
-        memory, max_tokens = self.memory(request.eviction), request.generation.max_tokens
-
-        def need(tokens: int) -> KVNeed:
-            return sequence_need(memory, tokens, pinned=pinned_count(request.spans, request.eviction.n_sink, tokens))
-
-        if request.ids is not None:
-            return [need(len(request.ids) + max_tokens)]
-        return [need(len(request.context_ids) + len(q) + max_tokens) for q in request.question_ids]
-
-    def bytes_with(self, request: Optional["Request"] = None, *, alone: bool = False) -> int:
-        """KV bytes the sequences in flight (none when ``alone``) plus ``request``'s can reach."""
-        extra = self.needs(request) if request is not None else []
-        growth = self.memory(request.eviction).growth_bytes_per_token if request is not None else self._growth
-        return batch_bytes(extra + ([] if alone else list(self._needs.values())), growth)
-
-    def check_alone(self, request: "Request") -> None:
-        """Raise :class:`KVMemoryExceeded` for a request that cannot fit even alone."""
-        need = self.bytes_with(request, alone=True)
-        if need > self.limit:
-            what = "its prompt plus max_tokens" if request.ids is not None else (
-                f"its {len(request.questions)} question(s) over the compressed context, each with max_tokens")
-            raise KVMemoryExceeded(f"this row needs {mib(need)} ({need} bytes) of KV memory ({what}), more than "
-                                   f"the limit of {mib(self.limit)} ({self.limit} bytes, --max-kv-memory); raise "
-                                   "the limit, lower --budget or max_tokens, or bound every layer (--early-factor)")
-
-    def admit(self, request: "Request") -> None:
-        self._growth = self.memory(request.eviction).growth_bytes_per_token
-        for i, need in enumerate(self.needs(request)):
-            self._needs[(request.key, i)] = need
-        self._update()
-
-    def release(self, key: Hashable) -> None:
-        """A sequence finished: its memory is free."""
-        self._needs.pop(key, None)
-        self._update()
-
-    def release_request(self, request: "Request") -> None:
-        for i in range(request.sequences):
-            self._needs.pop((request.key, i), None)
-        self._update()
-
-    def _update(self) -> None:
-        self.in_flight = batch_bytes(list(self._needs.values()), self._growth)
-        self.peak = max(self.peak, self.in_flight)
-
-
 def run_jobs(model: Any, tokenizer: Any, requests: Iterable[Request], *, batch_size: int = DEFAULT_BATCH_SIZE,
              seed: Optional[int] = None, alone: Optional[Callable[[Request], list[GenerationResult]]] = None,
              kv_limit: Optional[KVLimit] = None) -> Iterator[tuple[Request, Outcome]]:
@@ -338,7 +269,7 @@ def run_jobs(model: Any, tokenizer: Any, requests: Iterable[Request], *, batch_s
 
     With ``kv_limit``, a request joins only while the KV memory in flight plus its
     own stays within the limit (the batch drains until it does); a request that
-    cannot fit even alone gets :class:`~knorm_gen.memory.KVMemoryExceeded` as its
+    cannot fit even alone gets :class:`~knorm_gen.admission.KVMemoryExceeded` as its
     outcome (or raises it, without ``alone``)."""
     engine: Optional[BatchEngine] = None
     flight: dict[Hashable, tuple[Request, list]] = {}  # request key -> (request, results by sequence)

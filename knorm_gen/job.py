@@ -41,6 +41,7 @@ from typing import Any, BinaryIO, Callable, Optional
 from tqdm import tqdm
 
 from . import records as rec
+from .admission import default_kv_limit
 from .config import EvictionConfig, GenerationConfig, RowsConfig
 from .distributed import Group, local_parts, merge_records, merge_stats, part_path, shard_of
 from .engine import DEFAULT_BATCH_SIZE
@@ -57,7 +58,7 @@ from .files import (
     repair_torn_tail,
     rewrite_atomically,
 )
-from .memory import default_kv_limit, kv_memory, mib
+from .memory import kv_memory, mib
 from .rows import Row, read_rows, read_share
 from .runner import RowRunner, RowSettings
 
@@ -111,7 +112,7 @@ class BatchOptions:
     stats_log: Optional[str] = None
     summary_json: Optional[str] = None
     rows: RowsConfig = field(default_factory=RowsConfig)
-    max_kv_memory: Optional[int] = None  # bytes of KV memory in flight; None: memory.default_kv_limit()
+    max_kv_memory: Optional[int] = None  # bytes of KV memory in flight; None: admission.default_kv_limit()
     # As mlx_lm.generate takes them: stop tokens added to the tokenizer's eos tokens, keyword
     # arguments for apply_chat_template, LoRA adapters and trust_remote_code for mlx_lm's loader
     extra_eos_tokens: tuple = ()

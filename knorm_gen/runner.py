@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Union
 
 from . import records as rec
+from .admission import KVLimit, KVMemoryExceeded
 from .config import EvictionConfig, GenerationConfig, ResolvedEviction, RowsConfig, make_configs, settings_dict
-from .engine import KVLimit, Outcome, Request, run_jobs
+from .engine import Outcome, Request, run_jobs
 from .generate import prompt_request, question_request, stream_request
 from .mlx_compat import full_attention_layers
-from .memory import KVMemoryExceeded
 from .prompts import PromptTooLongError
 from .rows import Row, RowError
 
