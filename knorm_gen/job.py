@@ -59,11 +59,12 @@ from .files import (
     rewrite_atomically,
 )
 from .memory import kv_memory, mib
+from .models import ModelUsageError, get_model, with_run_options
 from .rows import Row, read_rows, read_share
 from .runner import RowRunner, RowSettings
 
 __all__ = [
-    "BatchOptions", "BatchSummary", "BatchUsageError", "Interrupted", "run_batch", "get_model",
+    "BatchOptions", "BatchSummary", "BatchUsageError", "Interrupted", "run_batch",
     "plan_resume", "check_resume", "EXIT_OK", "EXIT_ROWS_FAILED", "EXIT_USAGE", "EXIT_IO_ERROR",
     "EXIT_INTERNAL_ERROR", "EXIT_INTERRUPTED", "EXIT_PIPE_CLOSED",
 ]
@@ -248,47 +249,20 @@ def error_line(error: dict) -> str:
     return f"{_row_name(error.get('id'))}: {error.get('type')}: {error.get('message')}"
 
 
-# ------------------------------------------------------------------ models
-
-_MODELS: dict[str, tuple[Any, Any]] = {}
+# ------------------------------------------------------------------ the model
 
 
-def _looks_like_path(spec: str) -> bool:
-    # A hub id is "owner/name"; anything else with a separator, or a file suffix, is a path.
-    return (spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or spec.lower().endswith(".gguf")
-            or os.sep != "/" and os.sep in spec)
-
-
-def get_model(spec: str = "default", *, adapter_path: Optional[str] = None,
-              trust_remote_code: bool = False) -> tuple[Any, Any]:
-    """``load_model(spec, ...)``, cached per spec (and adapters) for the life of the process."""
-    name = spec or "default"
-    key: Any = name if adapter_path is None and not trust_remote_code else (name, adapter_path, trust_remote_code)
-    if key not in _MODELS:
-        from .models import is_mlx_lm_spec, load_model
-
-        if _looks_like_path(name) and not Path(name).expanduser().exists():
-            raise BatchUsageError(f"cannot load model {name!r}: the path {Path(name).expanduser()} does not exist")
-        if adapter_path is not None and not is_mlx_lm_spec(name):
-            try:
-                load_model(name, adapter_path=adapter_path)  # says why, before any loading
-            except ValueError as e:
-                raise BatchUsageError(str(e).replace("adapter_path (--adapter-path)", "--adapter-path")) from None
-        if adapter_path is not None and not Path(adapter_path).expanduser().exists():
-            raise BatchUsageError(f"--adapter-path {adapter_path}: no such file or folder (the folder that holds "
-                                  "adapters.safetensors and adapter_config.json)")
-        try:
-            _MODELS[key] = load_model(name, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
-        except Exception as e:  # any loader failure is a usage error: nothing has run yet
-            raise BatchUsageError(f"cannot load model {name!r}: {e}") from e
-    return _MODELS[key]
+def _load(options: BatchOptions) -> tuple[Any, Any]:
+    try:
+        return get_model(options.model, adapter_path=options.adapter_path,
+                         trust_remote_code=options.trust_remote_code)
+    except ModelUsageError as e:
+        raise BatchUsageError(str(e)) from e
 
 
 def prepare_tokenizer(tokenizer: Any, options: "BatchOptions") -> Any:
     """The tokenizer with the run's extra eos tokens and chat template config (a copy
     when there are any: the cached model's own is left as it is)."""
-    from .models import with_run_options
-
     try:
         return with_run_options(tokenizer, options.extra_eos_tokens, options.chat_template_config)
     except ValueError as e:
@@ -583,8 +557,7 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
         if options.summary_json and group.rank == 0 and not is_stream(options.summary_json):
             remove_stale_temps(options.summary_json)
         if model is None:
-            model, tokenizer = get_model(options.model, adapter_path=options.adapter_path,
-                                         trust_remote_code=options.trust_remote_code)
+            model, tokenizer = _load(options)
         tokenizer = prepare_tokenizer(tokenizer, options)
         try:
             runner = _Runner(model, tokenizer, model_spec=options.model, eviction=options.eviction,

@@ -6,7 +6,8 @@ import pytest
 
 from knorm_gen import (EvictionConfig, GenerationConfig, answer_questions, generate_batch_with_eviction,
                        generate_with_eviction)
-from knorm_gen.job import BatchOptions, BatchUsageError, get_model, run_batch
+from knorm_gen.job import BatchOptions, BatchUsageError, run_batch
+from knorm_gen.models import get_model
 from knorm_gen.records import RECORD_FIELDS
 
 from .conftest import document_span, kept_after
