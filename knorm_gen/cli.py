@@ -38,6 +38,7 @@ from .config import (
     PRESETS,
     make_configs,
 )
+from .generate import stream_with_eviction
 from .job import (
     EXIT_INTERNAL_ERROR,
     EXIT_IO_ERROR,
@@ -47,8 +48,12 @@ from .job import (
     BatchOptions,
     BatchUsageError,
     Interrupted,
+    prepare_tokenizer,
     run_batch,
 )
+from .memory import kv_memory
+from .models import get_model
+from .sink import budget_warning, silence_stdout
 
 RUN_KEYS = ("input", "output", "model", "batch_size", "stats_log", "summary_json", "limit", "max_kv_memory",
             "extra_eos_tokens", "chat_template_config", "adapter_path", "trust_remote_code")
@@ -463,10 +468,6 @@ def generate_command(ctx: click.Context, prompt: str, model: str, preset: Option
     one longer than the model's context; nothing generated), 4 internal error,
     130 interrupted, 141 the output pipe was closed.
     """
-    from .generate import stream_with_eviction
-    from .job import budget_warning, get_model, prepare_tokenizer
-    from .memory import kv_memory
-
     try:
         eviction, generation = build_configs({**opts, "preset": preset})
     except ValueError as e:
@@ -501,9 +502,7 @@ def generate_command(ctx: click.Context, prompt: str, model: str, preset: Option
         click.echo("\nknorm-generate: interrupted", err=True)
         ctx.exit(EXIT_INTERRUPTED)
     except BrokenPipeError:
-        from .job import _silence_stdout
-
-        _silence_stdout()
+        silence_stdout()
         ctx.exit(EXIT_PIPE_CLOSED)
     except click.ClickException:
         raise
