@@ -1,5 +1,5 @@
 """Files a run reads and writes: streams vs regular files, distinct roles,
-writability checks, locks, atomic rewrites and torn-tail repair."""
+writability checks, locks and atomic rewrites."""
 
 from __future__ import annotations
 
@@ -120,20 +120,6 @@ def check_writable(path: Optional[str], what: str) -> None:
         raise FileUsageError(f"cannot write {what} {path}: {parent} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise FileUsageError(f"cannot write {what} {path}: permission denied in {parent}")
-
-
-def repair_torn_tail(path: Union[str, Path]) -> bool:
-    """Cut an unterminated last line (a kill mid-write) from a JSONL file, atomically.
-    Returns whether anything was cut."""
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        return False
-    if not data or data.endswith(b"\n"):
-        return False
-    keep = data[: data.rfind(b"\n") + 1]
-    rewrite_atomically(path, [keep])
-    return True
 
 
 class LockHeld(RuntimeError):
