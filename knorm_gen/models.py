@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from . import gguf, runtime
+from .files import remove_stale_temps, replacing
 
 __all__ = [
     "ModelNotFoundError",
@@ -98,13 +99,9 @@ def gemma_270m_path() -> Path:
     target = gguf.cache_root() / "gguf" / pkg.MODEL_NAME
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
-        gguf.remove_stale(target.parent, f".{target.name}.*.tmp")
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        try:
+        remove_stale_temps(target)  # the assemblies of killed processes
+        with replacing(target, sync_folder=False) as tmp:
             pkg.assemble(tmp, overwrite=True)
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
     return target
 
 

@@ -11,7 +11,7 @@ order). Every record is built here, whole, with its fingerprint;
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 from . import records as rec
 from .admission import KVLimit, KVMemoryExceeded
@@ -124,17 +124,23 @@ class RowRunner:
             return self.failure_record(row, settings, outcome)
         return self.result_record(row, settings, outcome)
 
-    def _run_alone(self, items, done: set, emit: Emit, stop: Callable[[], bool]) -> None:
-        """One row at a time: each record is handed over before the next row starts."""
+    def _to_run(self, items, done: set, emit: Emit, stop: Callable[[], bool]) -> Iterator[Row]:
+        """The rows that need running; a row already done and a line that is no row
+        are handed to ``emit`` at once. After each item, ``stop()`` ends the rest."""
         for item in items:
             if isinstance(item, Row) and item.key in done:
                 emit(None, item.line)
             elif isinstance(item, RowError):
                 emit(self.error_record(item), item.line)
             else:
-                emit(self.run_row(item), item.line)
+                yield item
             if stop():
                 return
+
+    def _run_alone(self, items, done: set, emit: Emit, stop: Callable[[], bool]) -> None:
+        """One row at a time: each record is handed over before the next row starts."""
+        for row in self._to_run(items, done, emit, stop):
+            emit(self.run_row(row), row.line)
 
     def run_row(self, row: Row) -> dict:
         """Generate for one row alone; any failure becomes the record's error."""
@@ -160,25 +166,20 @@ class RowRunner:
         *_, result = stream_request(self.model, self.tokenizer, request)
         return [result]
 
-    def _requests(self, items, done: set, emit: Emit, stop: Callable[[], bool]):
+    def _requests(self, items, done: set, emit: Emit, stop: Callable[[], bool]) -> Iterator[Request]:
         """The rows that can run, as requests; the others become records at once, so
-        they never enter (or disturb) a batch."""
-        for item in items:
-            if stop():
-                return
-            if isinstance(item, Row) and item.key in done:
-                emit(None, item.line)
-            elif isinstance(item, RowError):
-                emit(self.error_record(item), item.line)
+        they never enter (or disturb) a batch. ``stop()`` is asked before each item."""
+        if stop():
+            return
+        for row in self._to_run(items, done, emit, stop):
+            settings = None
+            try:
+                settings = self.settings_for(row.overrides)
+                request = self._request(row, settings)
+            except Exception as e:  # noqa: BLE001 - a bad row never enters a batch
+                emit(self.failure_record(row, settings, e), row.line)
             else:
-                settings = None
-                try:
-                    settings = self.settings_for(item.overrides)
-                    request = self._request(item, settings)
-                except Exception as e:  # noqa: BLE001 - a bad row never enters a batch
-                    emit(self.failure_record(item, settings, e), item.line)
-                else:
-                    yield request
+                yield request
 
     def _request(self, row: Row, settings: RowSettings) -> Request:
         if row.kind == "questions":
