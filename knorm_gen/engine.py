@@ -168,6 +168,7 @@ class BatchEngine:
             yield from self.step()
 
     def close(self) -> None:
+        """Give back what the generator holds (the wired memory limit it set)."""
         self._gen.close()
 
     def _attribute(self, timing, prefilled, decoded) -> None:
@@ -245,8 +246,8 @@ class Request:
 
     @property
     def batch_key(self) -> tuple:
-        """Jobs decode together only when their caches can merge: one eviction plan
-        and one prefill step per engine."""
+        """Requests decode together only when their caches can merge: one eviction
+        plan and one prefill step per engine."""
         return (self.eviction, self.generation.prefill_step_size)
 
 
@@ -259,7 +260,7 @@ def run_jobs(model: Any, tokenizer: Any, requests: Iterable[Request], *, batch_s
     """Run ``requests`` through one continuous batch, yielding ``(request, results)`` as
     each request finishes (one result per prompt, one per question, in order).
 
-    Jobs are read lazily: the next is taken only while fewer than ``batch_size``
+    Requests are read lazily: the next is taken only while fewer than ``batch_size``
     sequences are in flight, so an endless iterable works. A request whose settings
     differ from the running batch's (another budget) waits until the batch has
     drained, then starts a new one (seeded again with ``seed``). If a batch step
@@ -271,87 +272,135 @@ def run_jobs(model: Any, tokenizer: Any, requests: Iterable[Request], *, batch_s
     own stays within the limit (the batch drains until it does); a request that
     cannot fit even alone gets :class:`~knorm_gen.admission.KVMemoryExceeded` as its
     outcome (or raises it, without ``alone``)."""
-    engine: Optional[BatchEngine] = None
-    flight: dict[Hashable, tuple[Request, list]] = {}  # request key -> (request, results by sequence)
+    batch = _Scheduler(model, tokenizer, batch_size, seed, alone, kv_limit)
+    try:
+        for request in requests:
+            refused = batch.refusal(request)  # too large even alone
+            if refused is None:
+                yield from batch.make_room(request)
+                refused = batch.add(request)  # its context's prefill failed
+            if refused is not None:
+                yield request, refused
+                continue
+            while batch.full():
+                yield from batch.step()
+        yield from batch.drain()
+    finally:
+        batch.close()
 
-    def finish(key, result) -> Optional[tuple[Request, Outcome]]:
-        if kv_limit is not None:
-            kv_limit.release(key)
-        request_key, index = key
-        request, results = flight[request_key]
-        results[index] = result
-        if all(r is not None for r in results):
-            del flight[request_key]
-            return request, results
+
+class _Scheduler:
+    """The steps of :func:`run_jobs`: the engine of the running batch (None between
+    batches) and the requests in flight, each with its results so far."""
+
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int, seed: Optional[int],
+                 alone: Optional[Callable[[Request], list[GenerationResult]]], kv_limit: Optional[KVLimit]):
+        self.model, self.tokenizer, self.batch_size, self.seed = model, tokenizer, batch_size, seed
+        self.alone, self.kv_limit = alone, kv_limit
+        self.engine: Optional[BatchEngine] = None
+        self.flight: dict[Hashable, tuple[Request, list]] = {}  # request key -> (request, results by sequence)
+
+    def refusal(self, request: Request) -> Optional[KVMemoryExceeded]:
+        """Why a request cannot run even alone under the KV limit (None: it can)."""
+        if self.kv_limit is None:
+            return None
+        try:
+            self.kv_limit.check_alone(request)
+        except KVMemoryExceeded as e:
+            if self.alone is None:
+                raise
+            return e
         return None
 
-    def step() -> Iterator[tuple[Request, Outcome]]:
-        nonlocal engine
-        try:
-            finished = engine.step()
-        except KeyboardInterrupt:
-            raise
-        except Exception:  # noqa: BLE001 - the batch failed: run its requests alone, so only a bad one fails
-            if alone is None:
-                raise
-            stuck = [request for request, _ in flight.values()]
-            flight.clear()
-            engine = None
-            for request in stuck:
-                if kv_limit is not None:
-                    kv_limit.release_request(request)
-            for request in stuck:
-                yield request, _alone(alone, request)
-            return
-        for key, result in finished:
-            done = finish(key, result)
-            if done is not None:
-                yield done
+    def make_room(self, request: Request) -> Iterator[tuple[Request, Outcome]]:
+        """Step until ``request`` may join: a batch of other settings drains first,
+        and under a KV limit the batch runs until the request fits."""
+        if self.engine is not None and request.batch_key != (self.engine.eviction, self.engine.prefill_step_size):
+            yield from self.drain()
+            self.close()
+        kv = self.kv_limit
+        while kv is not None and self.engine is not None and len(self.engine) and kv.bytes_with(request) > kv.limit:
+            yield from self.step()
 
-    def drain() -> Iterator[tuple[Request, Outcome]]:
-        while engine is not None and len(engine):
-            yield from step()
-
-    for request in requests:
-        if kv_limit is not None:
-            try:
-                kv_limit.check_alone(request)
-            except KVMemoryExceeded as e:
-                if alone is None:
-                    raise
-                yield request, e
-                continue
-        if engine is not None and request.batch_key != (engine.eviction, engine.prefill_step_size):
-            yield from drain()
-            engine = None
-        while (kv_limit is not None and engine is not None and len(engine)
-               and kv_limit.bytes_with(request) > kv_limit.limit):
-            yield from step()  # wait for room
-        if kv_limit is not None:
-            kv_limit.admit(request)
-        if engine is None:
-            engine = BatchEngine(model, tokenizer, request.eviction, batch_size=batch_size,
-                                 prefill_step_size=request.generation.prefill_step_size, seed=seed)
-        flight[request.key] = (request, [None] * request.sequences)
+    def add(self, request: Request) -> Optional[Exception]:
+        """Queue ``request`` in the running batch (a new one if none runs); the
+        failure of its context's prefill is returned as its outcome."""
+        if self.kv_limit is not None:
+            self.kv_limit.admit(request)
+        if self.engine is None:
+            self.engine = BatchEngine(self.model, self.tokenizer, request.eviction, batch_size=self.batch_size,
+                                      prefill_step_size=request.generation.prefill_step_size, seed=self.seed)
+        self.flight[request.key] = (request, [None] * request.sequences)
         try:
             if request.ids is not None:
-                engine.add((request.key, 0), request.ids, request.generation, spans=request.spans)
+                self.engine.add((request.key, 0), request.ids, request.generation, spans=request.spans)
             else:
-                engine.add_questions(request.key, request.context_ids, request.questions, request.question_ids,
-                                     request.generation, request.spans)
+                self.engine.add_questions(request.key, request.context_ids, request.questions,
+                                          request.question_ids, request.generation, request.spans)
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 - a context whose prefill fails is that request's failure
-            if alone is None:
+            if self.alone is None:
                 raise
-            del flight[request.key]
-            if kv_limit is not None:
-                kv_limit.release_request(request)
-            yield request, e
-            continue
-        while engine is not None and len(engine) >= batch_size:
-            yield from step()
-    yield from drain()
+            del self.flight[request.key]
+            if self.kv_limit is not None:
+                self.kv_limit.release_request(request)
+            return e
+        return None
+
+    def full(self) -> bool:
+        return self.engine is not None and len(self.engine) >= self.batch_size
+
+    def step(self) -> Iterator[tuple[Request, Outcome]]:
+        """One step of the batch; the requests whose last sequence finished in it."""
+        try:
+            finished = self.engine.step()
+        except KeyboardInterrupt:
+            raise
+        except Exception:  # noqa: BLE001 - the batch failed: run its requests alone, so only a bad one fails
+            if self.alone is None:
+                raise
+            yield from self._run_stuck_alone()
+            return
+        for key, result in finished:
+            done = self._finish(key, result)
+            if done is not None:
+                yield done
+
+    def drain(self) -> Iterator[tuple[Request, Outcome]]:
+        while self.engine is not None and len(self.engine):
+            yield from self.step()
+
+    def close(self) -> None:
+        """Drop the running batch's engine (and give back what its generator holds)."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.close()
+
+    def _finish(self, key: tuple, result: GenerationResult) -> Optional[tuple[Request, Outcome]]:
+        if self.kv_limit is not None:
+            self.kv_limit.release(key)
+        request_key, index = key
+        request, results = self.flight[request_key]
+        results[index] = result
+        if all(r is not None for r in results):
+            del self.flight[request_key]
+            return request, results
+        return None
+
+    def _run_stuck_alone(self) -> Iterator[tuple[Request, Outcome]]:
+        stuck = [request for request, _ in self.flight.values()]
+        self.flight.clear()
+        engine, self.engine = self.engine, None
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001 - the failed batch's generator: what it gives back matters no more
+            pass
+        for request in stuck:
+            if self.kv_limit is not None:
+                self.kv_limit.release_request(request)
+        for request in stuck:
+            yield request, _alone(self.alone, request)
 
 
 def _alone(alone: Callable[[Request], list[GenerationResult]], request: Request) -> Outcome:
