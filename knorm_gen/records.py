@@ -31,6 +31,8 @@ GENERATION_ERROR = "generation_error"
 KV_MEMORY_EXCEEDED = "kv_memory_exceeded"  # a row that cannot fit --max-kv-memory even alone
 ERROR_TYPES = (INVALID_UTF8, INVALID_JSON, LINE_TOO_LONG, INVALID_ROW, DUPLICATE_ID, PROMPT_TOO_LONG,
                KV_MEMORY_EXCEEDED, GENERATION_ERROR)
+"""Every ``error.type`` a record can carry, as the README's record table lists them
+(``tests/test_records.py`` holds the two together)."""
 
 STATS_FIELDS = (
     "finish_reason", "prompt_tokens", "generated_tokens", "tokens_seen", "tokens_kept", "tokens_pinned",

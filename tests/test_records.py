@@ -32,3 +32,10 @@ def test_writer_writes_whole_lines_and_fsyncs(tmp_path, monkeypatch):
 def test_records_are_one_json_object_per_line():
     line = rec.dump_record({"id": "x", "completion": "two\nlines \u2028 and \r"})
     assert line.count(b"\n") == 1 and json.loads(line)["completion"] == "two\nlines \u2028 and \r"
+
+
+def test_the_error_types_are_the_ones_the_readme_lists():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert f"`type` is one of `{', '.join(rec.ERROR_TYPES)}`" in readme
