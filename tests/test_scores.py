@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from knorm_gen import L2NormKVCache
-from knorm_gen.scores import ANCHORED, BLEND_WEIGHT, SCORES, pack_ranks, rank_positions
+from knorm_gen.scores import ANCHORED, SCORES, pack_ranks, rank_positions
 
+from .conftest import numpy_running_kept
 from .test_cache import distinct_norm_keys, feed_keys, kept_positions
 
 T, BUDGET, N_SINK, RECENT = 48, 14, 3, 4
@@ -68,39 +69,6 @@ def test_rank_packing_orders_like_the_floats():
     by_float = sorted(range(len(scores)), key=lambda i: (float(scores[i]) if scores[i] != 0 else 0.0, pos[i]))
     assert [float(scores[i]) for i in by_rank] == [float(scores[i]) for i in by_float]
     np.testing.assert_array_equal(np.array(rank_positions(mx.array(ranks))), pos)
-
-
-def numpy_anchored_score(keep, keys, anchor):
-    """float64 reference of the anchored rules: keys (H, N, D), anchor (H, D)."""
-    norm = np.linalg.norm(keys, axis=-1)
-    cos = np.einsum("hnd,hd->hn", keys / norm[..., None], anchor / np.linalg.norm(anchor, axis=-1, keepdims=True))
-    return cos if keep == "keydiff" else cos + BLEND_WEIGHT * np.log(norm)
-
-
-def numpy_running_kept(keys, splits, budget, n_sink, recent, keep):
-    """Kept positions per head of one row fed in ``splits``, with the anchor the mean
-    unit key of everything seen up to and including each block; a block of more than
-    one token first re-scores the held keys against that anchor (attend first, evict
-    after: over budget, the ``budget`` best of held + new by (protected, score, position))."""
-    keys = keys[0].astype(np.float64)
-    heads, dim = keys.shape[0], keys.shape[2]
-    total, seen, held = np.zeros((heads, dim)), 0, [[] for _ in range(heads)]
-    for size in splits:
-        block = keys[:, seen : seen + size]
-        total += (block / np.linalg.norm(block, axis=-1, keepdims=True)).sum(axis=1)
-        anchor = total / (seen + size)
-        scores = numpy_anchored_score(keep, block, anchor)
-        seen += size
-        for h in range(heads):
-            if size > 1 and held[h]:
-                pos = [p for _, p in held[h]]
-                again = numpy_anchored_score(keep, keys[h : h + 1, pos], anchor[h : h + 1])[0]
-                held[h] = list(zip(again, pos))
-            held[h] += [(scores[h, i], seen - size + i) for i in range(size)]
-            if len(held[h]) > budget:
-                held[h].sort(key=lambda sp: (0, sp[1]) if sp[1] < n_sink or sp[1] >= seen - recent else (1, *sp))
-                held[h] = held[h][:budget]
-    return [sorted(p for _, p in h) for h in held]
 
 
 @pytest.mark.parametrize("keep", sorted(ANCHORED))
