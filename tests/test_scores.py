@@ -8,23 +8,42 @@ import pytest
 from knorm_gen import L2NormKVCache
 from knorm_gen.scores import ANCHORED, SCORES, pack_ranks, rank_positions
 
-from .conftest import numpy_running_kept
+from .conftest import numpy_anchored_score, numpy_running_kept
 from .test_cache import distinct_norm_keys, feed_keys, kept_positions
 
 T, BUDGET, N_SINK, RECENT = 48, 14, 3, 4
 
 
+def numpy_block_scores(keep, keys, seed):
+    """float64 reference of each rule for one block of keys ``(1, H, N, D)`` (lower is
+    kept first), written from the rules' definitions: ``low``/``high`` the squared key
+    norm, ``recent`` minus the position, ``keydiff``/``blend`` the cosine to the block's
+    mean unit key (plus ln|k| for blend); ``random`` the uniform draws mlx makes after
+    ``mx.random.seed(seed)`` (its only input)."""
+    keys = keys.astype(np.float64)
+    squared = (keys ** 2).sum(axis=-1)
+    if keep == "low":
+        return squared
+    if keep == "high":
+        return -squared
+    if keep == "recent":
+        return np.broadcast_to(-np.arange(keys.shape[2], dtype=np.float64), squared.shape)
+    if keep == "random":
+        mx.random.seed(seed)
+        return np.array(mx.random.uniform(shape=squared.shape))
+    if keep in ANCHORED:
+        anchor = (keys / np.linalg.norm(keys, axis=-1, keepdims=True)).mean(axis=2)[0]
+        return numpy_anchored_score(keep, keys[0], anchor)[None]
+    raise AssertionError(f"no numpy reference for the rule {keep!r}: write one here")
+
+
 @pytest.mark.parametrize("keep", list(SCORES))
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kept_set_is_the_rule_ranking(keep, seed):
-    # Independent reference: the rule's own scores for the block, ranked in numpy by
-    # (score, position) with sinks and the recent window protected.
+    # Independent reference: the rule's scores for the block computed in numpy from its
+    # definition, ranked by (score, position) with sinks and the recent window protected.
     keys = distinct_norm_keys(T, np.random.default_rng(seed), heads=2)
-    positions = mx.arange(T)[None, None]
-    unit = keys / np.linalg.norm(keys, axis=-1, keepdims=True)
-    anchor = mx.array(unit.mean(axis=2, keepdims=True))  # one block: the mean of all its unit keys
-    mx.random.seed(seed)
-    scores = np.array(SCORES[keep](mx.array(keys), positions, anchor))
+    scores = numpy_block_scores(keep, keys, seed)
     mx.random.seed(seed)
     cache = L2NormKVCache(BUDGET, N_SINK, RECENT, keep)
     feed_keys(cache, keys, [T])
