@@ -1,11 +1,13 @@
-"""Admission by KV memory: ``--max-kv-memory`` through the command line on the tiny
-random model (issue 18's corpus)."""
+"""Admission by KV memory: the arithmetic against hand counts, and ``--max-kv-memory``
+through the command line on the tiny random model (issue 18's corpus)."""
 
 import re
 
 import pytest
 
-from knorm_gen.memory import kv_memory
+from knorm_gen.admission import BATCH_STEP, KVLimit, KVNeed, batch_bytes, parse_size, sequence_need
+from knorm_gen.config import EvictionConfig
+from knorm_gen.memory import KVMemory, kv_memory
 from knorm_gen.models import load_model
 
 from .test_summarize import QUESTION, TEXTS, corpus, invoke, records
@@ -14,6 +16,53 @@ from .test_summarize import QUESTION, TEXTS, corpus, invoke, records
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
     return load_model(str(tiny_model_dir))
+
+
+@pytest.mark.parametrize("text, size", [("2GiB", 2 * 1024**3), ("512MiB", 512 * 1024**2), ("1.5GB", 1_500_000_000),
+                                        (" 64 kib ", 64 * 1024), ("100", 100), (4096, 4096)])
+def test_parse_size_reads_binary_and_decimal_units(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("bad, message", [("0", "more than 0 bytes"), ("-5MiB", "2GiB"), ("lots", "2GiB"),
+                                          ("5 parsecs", "2GiB"), (True, "2GiB"), (0.5, "more than 0 bytes")])
+def test_parse_size_refuses_what_is_no_size(bad, message):
+    with pytest.raises(ValueError, match=message):
+        parse_size(bad)
+
+
+def test_needs_count_bounded_layers_at_their_cap_and_the_rest_padded_to_the_longest_row():
+    memory = KVMemory([(100, 10), (100, 10), (7, None)])  # two layers bounded at 10 positions, one keeps all
+    need = sequence_need(memory, 30, pinned=4)  # the last 4 positions (a question, its answer) come on top
+    assert need == KVNeed(bounded_bytes=2 * 100 * (10 + 4), unbounded_positions=30)
+    short = sequence_need(memory, 5)
+    assert short == KVNeed(bounded_bytes=2 * 100 * 5, unbounded_positions=5)
+    # the layer that keeps every token: every row padded to the longest, in steps of BATCH_STEP positions
+    assert batch_bytes([need, short], 7) == need.bounded_bytes + short.bounded_bytes + 2 * BATCH_STEP * 7
+    assert batch_bytes([], 7) == 0
+    bounded = KVMemory([(100, 10)])
+    assert sequence_need(bounded, 30) == KVNeed(1000, 0)  # nothing grows: no positions to pad
+
+
+def test_kv_limit_tracks_what_is_in_flight_and_its_peak(tiny):
+    from knorm_gen.engine import Request
+    from knorm_gen.config import GenerationConfig
+
+    model, _ = tiny
+    eviction = EvictionConfig(budget=8).for_model(model)
+    generation = GenerationConfig(max_tokens=4)
+    a = Request("a", eviction, generation, ids=list(range(20)))
+    b = Request("b", eviction, generation, ids=list(range(30)))
+    limit = KVLimit(model, 10**9)
+    one = limit.bytes_with(a, alone=True)
+    assert one == sum(row * min(24, cap) for row, cap in kv_memory(model, eviction).layers)
+    limit.admit(a)
+    limit.admit(b)
+    assert limit.in_flight == limit.peak == one + limit.bytes_with(b, alone=True)
+    limit.release(("a", 0))
+    assert limit.in_flight == limit.bytes_with(b, alone=True) and limit.peak > limit.in_flight
+    limit.release_request(b)
+    assert limit.in_flight == 0
 
 
 def _need(tiny, text, budget=24, max_tokens=4):
