@@ -27,6 +27,7 @@ import click
 from click.core import ParameterSource
 
 from . import __version__
+from .admission import parse_size
 from .config import (
     EVICTION_FIELDS,
     GENERATION_FIELDS,
@@ -36,8 +37,8 @@ from .config import (
     RowsConfig,
     PRESETS,
     make_configs,
-    parse_size,
 )
+from .generate import stream_with_eviction
 from .job import (
     EXIT_INTERNAL_ERROR,
     EXIT_IO_ERROR,
@@ -47,8 +48,12 @@ from .job import (
     BatchOptions,
     BatchUsageError,
     Interrupted,
+    prepare_tokenizer,
     run_batch,
 )
+from .memory import kv_memory
+from .models import get_model
+from .sink import budget_warning, silence_stdout
 
 RUN_KEYS = ("input", "output", "model", "batch_size", "stats_log", "summary_json", "limit", "max_kv_memory",
             "extra_eos_tokens", "chat_template_config", "adapter_path", "trust_remote_code")
@@ -384,11 +389,11 @@ def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optio
 def _run(ctx: click.Context, settings: dict, options: BatchOptions, quiet: bool) -> None:
     from .distributed import PeerLost, group as launch_group
 
-    job = launch_group()  # one process unless started by mlx.launch
+    group = launch_group()  # one process unless started by mlx.launch
     try:
-        summary = run_batch(settings["input"], settings.get("output"), options, progress=not quiet, group=job)
+        summary = run_batch(settings["input"], settings.get("output"), options, progress=not quiet, group=group)
     except BatchUsageError as e:
-        if job.rank:  # every rank reaches the same verdict; rank 0 says it
+        if group.rank:  # every rank reaches the same verdict; rank 0 says it
             ctx.exit(EXIT_USAGE)
         raise UsageFailure(str(e)) from None
     except Interrupted:
@@ -405,15 +410,15 @@ def _run(ctx: click.Context, settings: dict, options: BatchOptions, quiet: bool)
         ctx.exit(EXIT_INTERNAL_ERROR)
     if summary.pipe_closed:
         ctx.exit(summary.exit_code)  # the reader left: end quietly, as Unix tools do
-    if job.rank and not (summary.interrupted or summary.io_error):
+    if group.rank and not (summary.interrupted or summary.io_error):
         # Rank 0 reports the job. A non-zero exit here would make mlx.launch stop the
         # other ranks, rank 0 among them, while it may still be printing.
         ctx.exit(0)
     click.echo(summary.text(warnings=quiet), err=True)  # without -q, the run said its warnings as they arose
     if summary.interrupted or summary.io_error:
         what = "interrupted" if summary.interrupted else "stopped"
-        if job.distributed:
-            click.echo(f"rank {job.rank}: {what}; every finished record is in its part file. Rerun the same "
+        if group.distributed:
+            click.echo(f"rank {group.rank}: {what}; every finished record is in its part file. Rerun the same "
                        "mlx.launch command (without --overwrite) to resume", err=True)
         elif summary.output == "-":
             click.echo(f"{what} after {summary.ok + summary.failed} rows; output went to stdout, so there is "
@@ -465,10 +470,6 @@ def generate_command(ctx: click.Context, prompt: str, model: str, preset: Option
     one longer than the model's context; nothing generated), 4 internal error,
     130 interrupted, 141 the output pipe was closed.
     """
-    from .generate import stream_with_eviction
-    from .job import budget_warning, get_model, prepare_tokenizer
-    from .memory import kv_memory
-
     try:
         eviction, generation = build_configs({**opts, "preset": preset})
     except ValueError as e:
@@ -503,9 +504,7 @@ def generate_command(ctx: click.Context, prompt: str, model: str, preset: Option
         click.echo("\nknorm-generate: interrupted", err=True)
         ctx.exit(EXIT_INTERRUPTED)
     except BrokenPipeError:
-        from .job import _silence_stdout
-
-        _silence_stdout()
+        silence_stdout()
         ctx.exit(EXIT_PIPE_CLOSED)
     except click.ClickException:
         raise

@@ -565,27 +565,3 @@ def settings_dict(eviction: Union[EvictionConfig, ResolvedEviction], generation:
     """The ``config`` a result and a record report: the eviction settings (resolved
     for the model), the generation settings, and (``knorm-batch``) how rows were read."""
     return {**eviction.to_dict(), **generation.to_dict(), **(rows.to_dict() if rows else {})}
-
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
-
-
-def parse_size(value: Any) -> int:
-    """Bytes from ``2GiB``, ``512MiB``, ``1.5GB`` or a plain number of bytes; must be > 0."""
-    import re
-
-    if isinstance(value, bool):
-        raise ValueError(f"a memory size must look like 2GiB or 512MiB, got {value!r}")
-    if isinstance(value, (int, float)):
-        number, unit = float(value), ""
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-        if not m or m[2].lower() not in _UNITS:
-            raise ValueError(f"a memory size must look like 2GiB or 512MiB (units B, KiB, MiB, GiB, TiB, or KB, "
-                             f"MB, GB, TB), got {value!r}")
-        number, unit = float(m[1]), m[2].lower()
-    size = number * _UNITS[unit]
-    if not math.isfinite(size) or size < 1:
-        raise ValueError(f"a memory size must be more than 0 bytes, got {value!r}")
-    return int(size)

@@ -7,7 +7,8 @@ to its own part file beside the output (``out.part-r-of-n.jsonl``) with the
 single-process rules (whole, fsynced records; resume; torn lines cut). No
 shared filesystem is assumed: the records every rank finished before are
 exchanged through ``mx.distributed`` collectives when the job starts, and the
-new ones when it ends, when rank 0 writes the final output in input order.
+new ones when it ends, when rank 0 writes the final output in input order
+(:mod:`knorm_gen.resume` does both).
 
 A collective has no timeout, so each one runs with the default SIGINT/SIGTERM
 actions: if another rank dies, ``mlx.launch`` terminates the waiting ones at
@@ -20,17 +21,13 @@ from __future__ import annotations
 import json
 import re
 import signal
-import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, Optional, TypeVar
 
 import numpy as np
-
-from . import records as rec
-from .rows import Row
 
 _PART = re.compile(r"^(?P<stem>.+)\.part-(?P<rank>\d+)-of-(?P<size>\d+)(?P<suffix>\.[^.]*)?$")
 
@@ -44,30 +41,29 @@ class PeerLost(Exception):
         self.rank, self.phase, self.detail = rank, phase, detail
 
 
-_PHASES = {"_prepare": "the start", "_plan_group": "the resume exchange", "_finish_group": "the merge"}
-
-
-def _phase() -> str:
-    """Which exchange of a job the current collective belongs to (from its caller in job.py)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name in _PHASES:
-            return _PHASES[frame.f_code.co_name]
-        frame = frame.f_back
-    return "a collective"
-
-
-@dataclass(frozen=True)
+@dataclass
 class Group:
-    """This process's place in the job: ``rank`` of ``size`` (1 without a launcher)."""
+    """This process's place in the job: ``rank`` of ``size`` (1 without a launcher).
+    ``phase`` names the exchange the collectives belong to now (:meth:`during`), for
+    the message of a lost peer."""
 
     rank: int = 0
     size: int = 1
     handle: Any = None
+    phase: str = "a collective"
 
     @property
     def distributed(self) -> bool:
         return self.size > 1
+
+    @contextmanager
+    def during(self, phase: str) -> Iterator["Group"]:
+        """The collectives inside belong to ``phase`` (``the start``, ``the merge``, ...)."""
+        before, self.phase = self.phase, phase
+        try:
+            yield self
+        finally:
+            self.phase = before
 
     def gather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, in rank order, on every rank. :class:`PeerLost`
@@ -75,7 +71,7 @@ class Group:
         try:
             return self._gather_bytes(data)
         except RuntimeError as e:  # MLX: "[ring] connection to a peer was lost"
-            raise PeerLost(self.rank, _phase(), " ".join(str(e).split())[:200]) from None
+            raise PeerLost(self.rank, self.phase, " ".join(str(e).split())[:200]) from None
 
     def _gather_bytes(self, data: bytes) -> list[bytes]:
         import mlx.core as mx
@@ -144,49 +140,18 @@ def local_parts(path: str) -> list[Path]:
 
 
 def shard_of(index: int, size: int) -> int:
-    """The rank that runs the input row with this 0-based index (non-blank lines)."""
+    """The rank that runs the input item with this 0-based index (non-blank lines)."""
     return index % size
 
 
-def merge_records(items: Iterator[Any], earlier: list[bytes], blobs: list[bytes], expected: dict,
-                  accept_old: bool) -> list[bytes]:
-    """The final output: one line per input row, in input order. A row's
-    successful record comes from the earlier records or any part (one whose
-    fingerprint matches the input wins); else its error record from a part."""
-    good: dict[str, bytes] = {}
-    errors: dict[int, bytes] = {}
-    for line in [*earlier, *(x + b"\n" for blob in blobs for x in blob.splitlines() if x.strip())]:
-        record = rec.parse_record(line.rstrip(b"\n"))
-        if record is None:
-            continue  # a torn tail of a part this run did not own
-        if record["error"] is None and record["id"] is not None:
-            key = rec.id_key(record["id"])
-            fits = record.get("fingerprint") == expected.get(key) or accept_old
-            if key not in good or fits:
-                good[key] = line
-        elif isinstance(record["error"], dict) and isinstance(record["error"].get("line"), int):
-            errors[record["error"]["line"]] = line
-    out = []
-    for item in items:
-        key = item.key if isinstance(item, Row) else None
-        if key is not None and key in good:
-            out.append(good[key])
-        elif item.line in errors:
-            out.append(errors[item.line])
-    return out
+Item = TypeVar("Item")
 
 
-def merge_stats(earlier: bytes, blobs: list[bytes]) -> list[bytes]:
-    """The combined stats log: earlier entries, then new ones (each once) in input-line order."""
-    seen = set(earlier.splitlines())
-    fresh = []
-    for blob in blobs:
-        for line in blob.splitlines():
-            if line.strip() and line not in seen:
-                seen.add(line)
-                try:
-                    fresh.append((int(json.loads(line).get("line") or 0), line))
-                except (ValueError, AttributeError):
-                    continue
-    fresh.sort(key=lambda item: item[0])
-    return [earlier] + [line + b"\n" for _, line in fresh]
+def share(items: Iterable[Item], limit: Optional[int] = None, rank: int = 0, size: int = 1) -> Iterator[Item]:
+    """The items up to ``limit`` (read no further), and of those only the share of
+    process ``rank`` of ``size`` (:func:`shard_of`)."""
+    for n, item in enumerate(items):
+        if limit is not None and n >= limit:
+            return
+        if shard_of(n, size) == rank:
+            yield item

@@ -9,12 +9,12 @@ caches join its batch protocol: ``L2NormKVCache.merge`` builds a
 host unaided is the model's shared full-attention mask, so every step runs inside
 :func:`~knorm_gen.mlx_compat.own_layer_masks`.
 
-A :class:`Job` is a prompt (one sequence) or a context with questions: the
+A :class:`Request` is a prompt (one sequence) or a context with questions: the
 context is prefilled once through its own eviction cache, in
 ``prefill_step_size`` blocks, and each question then joins the same continuous
 batch as every other row with a pinned copy of it (question and answer never
-evicted). :func:`run_jobs` admits jobs while fewer than ``batch_size``
-sequences are in flight and yields each job as its last sequence finishes.
+evicted). :func:`run_jobs` admits requests while fewer than ``batch_size``
+sequences are in flight and yields each request as its last sequence finishes.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from .admission import KVLimit, KVMemoryExceeded
 from .cache import copy_caches, make_eviction_cache, pin_caches
 from .config import DEFAULT_PREFILL_STEP, GenerationConfig, ResolvedEviction, settings_dict
-from .memory import KVMemory, KVMemoryExceeded, KVNeed, batch_bytes, kv_memory, mib, sequence_need
 from .mlx_compat import generator_step, own_layer_masks
 from .prompts import as_tokenizer
-from .scores import ALL_EVICTABLE, Spans, pinned_count
+from .scores import ALL_EVICTABLE, Spans
 from .results import GenerationResult
 
 DEFAULT_BATCH_SIZE = 8
@@ -168,6 +168,7 @@ class BatchEngine:
             yield from self.step()
 
     def close(self) -> None:
+        """Give back what the generator holds (the wired memory limit it set)."""
         self._gen.close()
 
     def _attribute(self, timing, prefilled, decoded) -> None:
@@ -219,7 +220,7 @@ class BatchEngine:
 
 
 @dataclass
-class Job:
+class Request:
     """One unit of work for :func:`run_jobs`: a prompt (``ids``), or a context
     (``context_ids``) with ``questions`` and their ``question_ids``.
     ``tag`` is the caller's (the runner keeps its row there)."""
@@ -245,187 +246,167 @@ class Job:
 
     @property
     def batch_key(self) -> tuple:
-        """Jobs decode together only when their caches can merge: one eviction plan
-        and one prefill step per engine."""
+        """Requests decode together only when their caches can merge: one eviction
+        plan and one prefill step per engine."""
         return (self.eviction, self.generation.prefill_step_size)
 
 
 Outcome = Union[list[GenerationResult], Exception]
 
 
-class KVLimit:
-    """Admission by KV memory: a job joins the batch only while the KV bytes the
-    sequences in flight can reach, plus its own, stay within ``limit_bytes``.
-    Bounded layers count at their ceiling (a pinned question's tokens on top);
-    layers that keep every token count at the prompt plus ``max_tokens``, and in
-    a batch at the longest row (mlx_lm's batch cache pads rows to it).
-    ``in_flight`` and ``peak`` are what the admitted sequences can reach."""
+def run_jobs(model: Any, tokenizer: Any, requests: Iterable[Request], *, batch_size: int = DEFAULT_BATCH_SIZE,
+             seed: Optional[int] = None, alone: Optional[Callable[[Request], list[GenerationResult]]] = None,
+             kv_limit: Optional[KVLimit] = None) -> Iterator[tuple[Request, Outcome]]:
+    """Run ``requests`` through one continuous batch, yielding ``(request, results)`` as
+    each request finishes (one result per prompt, one per question, in order).
 
-    def __init__(self, model: Any, limit_bytes: int):
-        self.model, self.limit = model, limit_bytes
-        self._memory: dict[ResolvedEviction, KVMemory] = {}
-        self._needs: dict[Hashable, KVNeed] = {}
-        self._growth = 0
-        self.in_flight = 0
-        self.peak = 0
-
-    def memory(self, eviction: ResolvedEviction) -> KVMemory:
-        if eviction not in self._memory:
-            self._memory[eviction] = kv_memory(self.model, eviction)
-        return self._memory[eviction]
-
-    def needs(self, job: "Job") -> list[KVNeed]:
-        """One need per sequence of the job."""
-        memory, max_tokens = self.memory(job.eviction), job.generation.max_tokens
-
-        def need(tokens: int) -> KVNeed:
-            return sequence_need(memory, tokens, pinned=pinned_count(job.spans, job.eviction.n_sink, tokens))
-
-        if job.ids is not None:
-            return [need(len(job.ids) + max_tokens)]
-        return [need(len(job.context_ids) + len(q) + max_tokens) for q in job.question_ids]
-
-    def bytes_with(self, job: Optional["Job"] = None, *, alone: bool = False) -> int:
-        """KV bytes the sequences in flight (none when ``alone``) plus ``job``'s can reach."""
-        extra = self.needs(job) if job is not None else []
-        growth = self.memory(job.eviction).growth_bytes_per_token if job is not None else self._growth
-        return batch_bytes(extra + ([] if alone else list(self._needs.values())), growth)
-
-    def check_alone(self, job: "Job") -> None:
-        """Raise :class:`KVMemoryExceeded` for a job that cannot fit even alone."""
-        need = self.bytes_with(job, alone=True)
-        if need > self.limit:
-            what = "its prompt plus max_tokens" if job.ids is not None else (
-                f"its {len(job.questions)} question(s) over the compressed context, each with max_tokens")
-            raise KVMemoryExceeded(f"this row needs {mib(need)} ({need} bytes) of KV memory ({what}), more than "
-                                   f"the limit of {mib(self.limit)} ({self.limit} bytes, --max-kv-memory); raise "
-                                   "the limit, lower --budget or max_tokens, or bound every layer (--early-factor)")
-
-    def admit(self, job: "Job") -> None:
-        self._growth = self.memory(job.eviction).growth_bytes_per_token
-        for i, need in enumerate(self.needs(job)):
-            self._needs[(job.key, i)] = need
-        self._update()
-
-    def release(self, key: Hashable) -> None:
-        """A sequence finished: its memory is free."""
-        self._needs.pop(key, None)
-        self._update()
-
-    def release_job(self, job: "Job") -> None:
-        for i in range(job.sequences):
-            self._needs.pop((job.key, i), None)
-        self._update()
-
-    def _update(self) -> None:
-        self.in_flight = batch_bytes(list(self._needs.values()), self._growth)
-        self.peak = max(self.peak, self.in_flight)
-
-
-def run_jobs(model: Any, tokenizer: Any, jobs: Iterable[Job], *, batch_size: int = DEFAULT_BATCH_SIZE,
-             seed: Optional[int] = None, alone: Optional[Callable[[Job], list[GenerationResult]]] = None,
-             kv_limit: Optional[KVLimit] = None) -> Iterator[tuple[Job, Outcome]]:
-    """Run ``jobs`` through one continuous batch, yielding ``(job, results)`` as each
-    job finishes (one result per prompt, one per question, in order).
-
-    Jobs are read lazily: the next is taken only while fewer than ``batch_size``
-    sequences are in flight, so an endless iterable works. A job whose settings
+    Requests are read lazily: the next is taken only while fewer than ``batch_size``
+    sequences are in flight, so an endless iterable works. A request whose settings
     differ from the running batch's (another budget) waits until the batch has
     drained, then starts a new one (seeded again with ``seed``). If a batch step
-    fails, every job in flight is run again with ``alone`` (when given), so that
+    fails, every request in flight is run again with ``alone`` (when given), so that
     only a bad one fails: its outcome is then the exception. Without ``alone``
     the failure propagates.
 
-    With ``kv_limit``, a job joins only while the KV memory in flight plus its
-    own stays within the limit (the batch drains until it does); a job that
-    cannot fit even alone gets :class:`~knorm_gen.memory.KVMemoryExceeded` as its
+    With ``kv_limit``, a request joins only while the KV memory in flight plus its
+    own stays within the limit (the batch drains until it does); a request that
+    cannot fit even alone gets :class:`~knorm_gen.admission.KVMemoryExceeded` as its
     outcome (or raises it, without ``alone``)."""
-    engine: Optional[BatchEngine] = None
-    flight: dict[Hashable, tuple[Job, list]] = {}  # job key -> (job, results by sequence)
+    batch = _Scheduler(model, tokenizer, batch_size, seed, alone, kv_limit)
+    try:
+        for request in requests:
+            refused = batch.refusal(request)  # too large even alone
+            if refused is None:
+                yield from batch.make_room(request)
+                refused = batch.add(request)  # its context's prefill failed
+            if refused is not None:
+                yield request, refused
+                continue
+            while batch.full():
+                yield from batch.step()
+        yield from batch.drain()
+    finally:
+        batch.close()
 
-    def finish(key, result) -> Optional[tuple[Job, Outcome]]:
-        if kv_limit is not None:
-            kv_limit.release(key)
-        job_key, index = key
-        job, results = flight[job_key]
-        results[index] = result
-        if all(r is not None for r in results):
-            del flight[job_key]
-            return job, results
+
+class _Scheduler:
+    """The steps of :func:`run_jobs`: the engine of the running batch (None between
+    batches) and the requests in flight, each with its results so far."""
+
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int, seed: Optional[int],
+                 alone: Optional[Callable[[Request], list[GenerationResult]]], kv_limit: Optional[KVLimit]):
+        self.model, self.tokenizer, self.batch_size, self.seed = model, tokenizer, batch_size, seed
+        self.alone, self.kv_limit = alone, kv_limit
+        self.engine: Optional[BatchEngine] = None
+        self.flight: dict[Hashable, tuple[Request, list]] = {}  # request key -> (request, results by sequence)
+
+    def refusal(self, request: Request) -> Optional[KVMemoryExceeded]:
+        """Why a request cannot run even alone under the KV limit (None: it can)."""
+        if self.kv_limit is None:
+            return None
+        try:
+            self.kv_limit.check_alone(request)
+        except KVMemoryExceeded as e:
+            if self.alone is None:
+                raise
+            return e
         return None
 
-    def step() -> Iterator[tuple[Job, Outcome]]:
-        nonlocal engine
+    def make_room(self, request: Request) -> Iterator[tuple[Request, Outcome]]:
+        """Step until ``request`` may join: a batch of other settings drains first,
+        and under a KV limit the batch runs until the request fits."""
+        if self.engine is not None and request.batch_key != (self.engine.eviction, self.engine.prefill_step_size):
+            yield from self.drain()
+            self.close()
+        kv = self.kv_limit
+        while kv is not None and self.engine is not None and len(self.engine) and kv.bytes_with(request) > kv.limit:
+            yield from self.step()
+
+    def add(self, request: Request) -> Optional[Exception]:
+        """Queue ``request`` in the running batch (a new one if none runs); the
+        failure of its context's prefill is returned as its outcome."""
+        if self.kv_limit is not None:
+            self.kv_limit.admit(request)
+        if self.engine is None:
+            self.engine = BatchEngine(self.model, self.tokenizer, request.eviction, batch_size=self.batch_size,
+                                      prefill_step_size=request.generation.prefill_step_size, seed=self.seed)
+        self.flight[request.key] = (request, [None] * request.sequences)
         try:
-            finished = engine.step()
+            if request.ids is not None:
+                self.engine.add((request.key, 0), request.ids, request.generation, spans=request.spans)
+            else:
+                self.engine.add_questions(request.key, request.context_ids, request.questions,
+                                          request.question_ids, request.generation, request.spans)
         except KeyboardInterrupt:
             raise
-        except Exception:  # noqa: BLE001 - the batch failed: run its jobs alone, so only a bad one fails
-            if alone is None:
+        except Exception as e:  # noqa: BLE001 - a context whose prefill fails is that request's failure
+            if self.alone is None:
                 raise
-            stuck = [job for job, _ in flight.values()]
-            flight.clear()
-            engine = None
-            for job in stuck:
-                if kv_limit is not None:
-                    kv_limit.release_job(job)
-            for job in stuck:
-                yield job, _alone(alone, job)
+            del self.flight[request.key]
+            if self.kv_limit is not None:
+                self.kv_limit.release_request(request)
+            return e
+        return None
+
+    def full(self) -> bool:
+        return self.engine is not None and len(self.engine) >= self.batch_size
+
+    def step(self) -> Iterator[tuple[Request, Outcome]]:
+        """One step of the batch; the requests whose last sequence finished in it."""
+        try:
+            finished = self.engine.step()
+        except KeyboardInterrupt:
+            raise
+        except Exception:  # noqa: BLE001 - the batch failed: run its requests alone, so only a bad one fails
+            if self.alone is None:
+                raise
+            yield from self._run_stuck_alone()
             return
         for key, result in finished:
-            done = finish(key, result)
+            done = self._finish(key, result)
             if done is not None:
                 yield done
 
-    def drain() -> Iterator[tuple[Job, Outcome]]:
-        while engine is not None and len(engine):
-            yield from step()
+    def drain(self) -> Iterator[tuple[Request, Outcome]]:
+        while self.engine is not None and len(self.engine):
+            yield from self.step()
 
-    for job in jobs:
-        if kv_limit is not None:
-            try:
-                kv_limit.check_alone(job)
-            except KVMemoryExceeded as e:
-                if alone is None:
-                    raise
-                yield job, e
-                continue
-        if engine is not None and job.batch_key != (engine.eviction, engine.prefill_step_size):
-            yield from drain()
-            engine = None
-        while kv_limit is not None and engine is not None and len(engine) and kv_limit.bytes_with(job) > kv_limit.limit:
-            yield from step()  # wait for room
-        if kv_limit is not None:
-            kv_limit.admit(job)
-        if engine is None:
-            engine = BatchEngine(model, tokenizer, job.eviction, batch_size=batch_size,
-                                 prefill_step_size=job.generation.prefill_step_size, seed=seed)
-        flight[job.key] = (job, [None] * job.sequences)
+    def close(self) -> None:
+        """Drop the running batch's engine (and give back what its generator holds)."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.close()
+
+    def _finish(self, key: tuple, result: GenerationResult) -> Optional[tuple[Request, Outcome]]:
+        if self.kv_limit is not None:
+            self.kv_limit.release(key)
+        request_key, index = key
+        request, results = self.flight[request_key]
+        results[index] = result
+        if all(r is not None for r in results):
+            del self.flight[request_key]
+            return request, results
+        return None
+
+    def _run_stuck_alone(self) -> Iterator[tuple[Request, Outcome]]:
+        stuck = [request for request, _ in self.flight.values()]
+        self.flight.clear()
+        engine, self.engine = self.engine, None
         try:
-            if job.ids is not None:
-                engine.add((job.key, 0), job.ids, job.generation, spans=job.spans)
-            else:
-                engine.add_questions(job.key, job.context_ids, job.questions, job.question_ids, job.generation,
-                                     job.spans)
-        except KeyboardInterrupt:
-            raise
-        except Exception as e:  # noqa: BLE001 - a context whose prefill fails is that job's failure
-            if alone is None:
-                raise
-            del flight[job.key]
-            if kv_limit is not None:
-                kv_limit.release_job(job)
-            yield job, e
-            continue
-        while engine is not None and len(engine) >= batch_size:
-            yield from step()
-    yield from drain()
+            engine.close()
+        except Exception:  # noqa: BLE001 - the failed batch's generator: what it gives back matters no more
+            pass
+        for request in stuck:
+            if self.kv_limit is not None:
+                self.kv_limit.release_request(request)
+        for request in stuck:
+            yield request, _alone(self.alone, request)
 
 
-def _alone(alone: Callable[[Job], list[GenerationResult]], job: Job) -> Outcome:
+def _alone(alone: Callable[[Request], list[GenerationResult]], request: Request) -> Outcome:
     try:
-        return alone(job)
+        return alone(request)
     except KeyboardInterrupt:
         raise
-    except Exception as e:  # noqa: BLE001 - reported as that job's outcome
+    except Exception as e:  # noqa: BLE001 - reported as that request's outcome
         return e

@@ -1,5 +1,5 @@
 """Files a run reads and writes: streams vs regular files, distinct roles,
-writability checks, locks, atomic rewrites and torn-tail repair."""
+writability checks, locks and atomic rewrites."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import os
 import stat
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Optional, Sequence, Union
+from typing import BinaryIO, Iterator, Optional, Sequence, Union
 
 
 class FileUsageError(ValueError):
@@ -120,20 +121,6 @@ def check_writable(path: Optional[str], what: str) -> None:
         raise FileUsageError(f"cannot write {what} {path}: {parent} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise FileUsageError(f"cannot write {what} {path}: permission denied in {parent}")
-
-
-def repair_torn_tail(path: Union[str, Path]) -> bool:
-    """Cut an unterminated last line (a kill mid-write) from a JSONL file, atomically.
-    Returns whether anything was cut."""
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        return False
-    if not data or data.endswith(b"\n"):
-        return False
-    keep = data[: data.rfind(b"\n") + 1]
-    rewrite_atomically(path, [keep])
-    return True
 
 
 class LockHeld(RuntimeError):
@@ -250,17 +237,18 @@ class FileLock:
         self.release()
 
 
-def rewrite_atomically(path: Union[str, Path], lines: list[bytes]) -> None:
-    """Replace ``path`` with ``lines``: temp file, fsync, rename, fsync the folder.
-    A symlink keeps pointing where it did: its target is rewritten. A failed
-    rewrite leaves the file as it was and no temp file behind."""
+@contextmanager
+def replacing(path: Union[str, Path], *, sync_folder: bool = True) -> Iterator[Path]:
+    """Write ``path`` whole or not at all: the block writes (and fsyncs) the
+    temporary path yielded, ``.NAME.PID.tmp`` beside ``path``, which then replaces
+    ``path`` by a rename (and the folder is fsynced, unless ``sync_folder`` is
+    False). A symlink keeps pointing where it did: its target is replaced. A
+    failure leaves ``path`` as it was and no temp file behind; a kill leaves one
+    that :func:`remove_stale_temps` removes."""
     path = Path(os.path.realpath(path))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            f.writelines(lines)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -268,16 +256,39 @@ def rewrite_atomically(path: Union[str, Path], lines: list[bytes]) -> None:
         except OSError:
             pass
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    if sync_folder:
+        fsync_folder(path.parent)
+
+
+def fsync_folder(folder: Union[str, Path], *, quiet: bool = False) -> None:
+    """fsync a folder, so that a rename in it survives a power cut. ``quiet``:
+    ignore a failure (some file systems cannot sync a folder)."""
     try:
-        os.fsync(dir_fd)
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        if quiet:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not quiet:
+            raise
     finally:
-        os.close(dir_fd)
+        os.close(fd)
+
+
+def rewrite_atomically(path: Union[str, Path], lines: list[bytes]) -> None:
+    """Replace ``path`` with ``lines`` (see :func:`replacing`)."""
+    with replacing(path) as tmp, open(tmp, "wb") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def remove_stale_temps(path: Union[str, Path]) -> list[Path]:
-    """Remove the ``.NAME.PID.tmp`` files that :func:`rewrite_atomically` left beside
-    ``path`` (or beside its symlink's target) when process PID died mid-rewrite.
+    """Remove the ``.NAME.PID.tmp`` files that :func:`replacing` left beside
+    ``path`` (or beside its symlink's target) when process PID died mid-write.
     Those of a live process other than this one are kept. Call it before this
     process rewrites ``path``, holding its lock where it has one."""
     removed = []

@@ -12,7 +12,7 @@ from mlx_lm.generate import stream_generate
 
 from .cache import make_eviction_cache
 from .config import EvictionConfig, GenerationConfig, ResolvedEviction, make_configs, settings_dict
-from .engine import DEFAULT_BATCH_SIZE, Job, make_row_processors, make_row_sampler, run_jobs
+from .engine import DEFAULT_BATCH_SIZE, Request, make_row_processors, make_row_sampler, run_jobs
 from .prompts import Prompt, as_tokenizer, has_chat_template, check_length, context_spans, encode_with_spans, question_prompts
 from .results import GenerationResult
 
@@ -92,19 +92,19 @@ def stream_with_eviction(
     decoded and ends with the :class:`GenerationResult`."""
     eviction, generation = resolve_settings(model, eviction, generation, settings)
     tok = as_tokenizer(tokenizer)
-    yield from stream_job(model, tok, prompt_job(model, tok, 0, prompt, eviction, generation))
+    yield from stream_request(model, tok, prompt_request(model, tok, 0, prompt, eviction, generation))
 
 
-def stream_job(model: Any, tokenizer: Any, job: Job) -> Iterator[Union[str, GenerationResult]]:
-    """A prompt :class:`~knorm_gen.engine.Job` alone on mlx_lm's ``stream_generate``:
+def stream_request(model: Any, tokenizer: Any, request: Request) -> Iterator[Union[str, GenerationResult]]:
+    """A prompt :class:`~knorm_gen.engine.Request` alone on mlx_lm's ``stream_generate``:
     text pieces, then the result."""
-    generation = job.generation
+    generation = request.generation
     if generation.seed is not None:
         mx.random.seed(generation.seed)
     mx.reset_peak_memory()
-    caches = make_eviction_cache(model, job.eviction, job.spans)
-    yield from _stream_ids(model, as_tokenizer(tokenizer), job.ids, caches, generation=generation,
-                           config=settings_dict(job.eviction, generation), prompt_tokens=len(job.ids))
+    caches = make_eviction_cache(model, request.eviction, request.spans)
+    yield from _stream_ids(model, as_tokenizer(tokenizer), request.ids, caches, generation=generation,
+                           config=settings_dict(request.eviction, generation), prompt_tokens=len(request.ids))
 
 
 def generate_with_eviction(
@@ -150,12 +150,12 @@ def stream_batch_with_eviction(
     eviction, generation = resolve_settings(model, eviction, generation, settings)
     tok = as_tokenizer(tokenizer)
 
-    def jobs() -> Iterator[Job]:
+    def requests() -> Iterator[Request]:
         for index, prompt in enumerate(prompts):
-            yield prompt_job(model, tok, index, prompt, eviction, generation)
+            yield prompt_request(model, tok, index, prompt, eviction, generation)
 
-    for job, (result,) in run_jobs(model, tok, jobs(), batch_size=batch_size, seed=generation.seed):
-        yield job.key, result
+    for request, (result,) in run_jobs(model, tok, requests(), batch_size=batch_size, seed=generation.seed):
+        yield request.key, result
 
 
 def generate_batch_with_eviction(
@@ -222,25 +222,25 @@ def answer_questions(
     """
     eviction, generation = resolve_settings(model, eviction, generation, settings)
     tok = as_tokenizer(tokenizer)
-    job = question_job(model, tok, "context", context, questions, eviction, generation)
-    ((_, results),) = run_jobs(model, tok, [job], batch_size=batch_size, seed=generation.seed)
+    request = question_request(model, tok, "context", context, questions, eviction, generation)
+    ((_, results),) = run_jobs(model, tok, [request], batch_size=batch_size, seed=generation.seed)
     return results
 
 
-def prompt_job(model: Any, tokenizer: Any, key: Any, prompt: Prompt, eviction: ResolvedEviction,
-               generation: GenerationConfig, tag: Any = None) -> Job:
-    """A :class:`~knorm_gen.engine.Job` for one prompt: its ids, checked against the
+def prompt_request(model: Any, tokenizer: Any, key: Any, prompt: Prompt, eviction: ResolvedEviction,
+                   generation: GenerationConfig, tag: Any = None) -> Request:
+    """A :class:`~knorm_gen.engine.Request` for one prompt: its ids, checked against the
     model context, and the document's positions in them (the rest is pinned)."""
     ids, spans = encode_with_spans(tokenizer, prompt, generation.chat, generation.system_prompt,
                                    special=generation.parse_special_tokens,
                                    pin_prefix_chars=generation.pin_prefix_chars)
     check_length(model, len(ids))
-    return Job(key, eviction, generation, ids=ids, spans=spans, tag=tag)
+    return Request(key, eviction, generation, ids=ids, spans=spans, tag=tag)
 
 
-def question_job(model: Any, tokenizer: Any, key: Any, context: str, questions: Sequence[str],
-                 eviction: ResolvedEviction, generation: GenerationConfig, tag: Any = None) -> Job:
-    """A :class:`~knorm_gen.engine.Job` for a context and its questions: the shared
+def question_request(model: Any, tokenizer: Any, key: Any, context: str, questions: Sequence[str],
+                     eviction: ResolvedEviction, generation: GenerationConfig, tag: Any = None) -> Request:
+    """A :class:`~knorm_gen.engine.Request` for a context and its questions: the shared
     context ids, each question's ids, and the document's positions in the context
     (its template, system turn, questions and answers are pinned)."""
     questions, context_ids, question_ids = question_prompts(
@@ -249,5 +249,5 @@ def question_job(model: Any, tokenizer: Any, key: Any, context: str, questions: 
     spans = context_spans(tokenizer, context, context_ids, chat=_chat(tokenizer, generation),
                           system_prompt=generation.system_prompt, special=generation.parse_special_tokens,
                           pin_prefix_chars=generation.pin_prefix_chars)
-    return Job(key, eviction, generation, context_ids=context_ids, questions=questions, question_ids=question_ids,
-               spans=spans, tag=tag)
+    return Request(key, eviction, generation, context_ids=context_ids, questions=questions,
+                   question_ids=question_ids, spans=spans, tag=tag)

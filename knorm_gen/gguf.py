@@ -36,13 +36,14 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
-from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+
+from .files import fsync_folder, replacing
 
 __all__ = [
     "CONVERTER_VERSION",
@@ -66,7 +67,6 @@ __all__ = [
     "read_gguf",
     "read_header",
     "remove_dead_conversions",
-    "remove_stale",
 ]
 
 # Bump whenever the files written by convert_gguf would change: old caches are then ignored.
@@ -860,30 +860,12 @@ def _sha256_of(file: Path, *, fsync: bool = False) -> str:
     return digest.hexdigest()
 
 
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems cannot sync a folder
-    finally:
-        os.close(fd)
-
-
 def _write_json(file: Path, data: dict[str, Any]) -> None:
-    """Write a JSON file whole (temporary name, fsync, rename)."""
-    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-    try:
-        with tmp.open("w") as f:
-            f.write(json.dumps(data, indent=2))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, file)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write a JSON file whole (temporary name, fsync, rename; the caller syncs the folder)."""
+    with replacing(file, sync_folder=False) as tmp, tmp.open("w") as f:
+        f.write(json.dumps(data, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _write_error(folder: Path, e: BaseException) -> BaseException:
@@ -920,7 +902,7 @@ def _write(conv: _Conversion, out_dir: Path) -> dict[str, Any]:
         info["files"] = {name: st.st_size for name, st in stats.items()}
         info["stamps"] = {name: _stamp(st) for name, st in stats.items()}
         _write_json(out_dir / _INFO_FILE, info)
-        _fsync_dir(out_dir)
+        fsync_folder(out_dir, quiet=True)
     except (OSError, RuntimeError) as e:
         if (error := _write_error(out_dir, e)) is e:
             raise
@@ -994,21 +976,10 @@ def cached_conversion(sha256: str) -> tuple[Path, dict[str, Any]] | None:
     return folder, info
 
 
-def remove_stale(folder: Path, pattern: str, max_age_s: float = 3600.0) -> None:
-    """Remove what a killed process left under ``folder`` (temporary names
-    matching ``pattern``), once it is older than any conversion takes."""
-    now = time.time()
-    for p in folder.glob(pattern):
-        try:
-            if now - p.stat().st_mtime > max_age_s:
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-        except OSError:
-            pass  # another process removed or is using it
-
-
 # A conversion's temporary folder: ".<entry>.<pid>.<random>", flock()ed by its
 # converter for as long as it runs. Older versions named it ".<entry>.<random>".
 _TEMP_NAME = re.compile(r"\.[0-9a-f]{64}-v\d+\.(?:(\d+)\.)?[^.]+")
+_OLD_TEMP_AGE_S = 3600.0  # longer than any conversion takes
 
 
 def remove_dead_conversions(root: Path | None = None) -> None:
@@ -1025,7 +996,11 @@ def remove_dead_conversions(root: Path | None = None) -> None:
         if not (m := _TEMP_NAME.fullmatch(p.name)):
             continue
         if m.group(1) is None:
-            remove_stale(root, glob_escape(p.name))
+            try:
+                if time.time() - p.stat().st_mtime > _OLD_TEMP_AGE_S:
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+            except OSError:
+                pass  # another process removed or is using it
             continue
         try:
             fd = os.open(p, os.O_RDONLY)
@@ -1100,7 +1075,7 @@ def _ensure(path: str | Path, sha256: str) -> tuple[Path, dict[str, Any], tuple 
         loaded = _load_check(tmp, path)
         try:
             os.rename(tmp, folder)
-            _fsync_dir(folder.parent)
+            fsync_folder(folder.parent, quiet=True)
         except OSError:
             # Another process finished the same conversion first: use theirs.
             if (found := cached_conversion(sha256)) is None:

@@ -6,9 +6,11 @@ successful record for its id *made from the same row and settings* (the
 record's ``fingerprint``); failed records are dropped and retried; a torn last
 line is cut away. Before any work the job refuses what would lose or mix up
 work: side files that are the input, a second run on a locked output, an
-output whose records no longer match the input (see :func:`plan_resume`).
+output whose records no longer match the input.
 This module owns the options, the summary and exit codes, the files and locks,
-the resume plan and the process group; :mod:`knorm_gen.runner` runs the rows.
+and the run loop (one process, or one rank of a process group); the resume plan
+and the merge of a group's parts are :mod:`knorm_gen.resume`, the rows run in
+:mod:`knorm_gen.runner`, and :mod:`knorm_gen.sink` writes their records.
 
 Exit statuses (:attr:`BatchSummary.exit_code`, and ``knorm-batch``'s):
 
@@ -30,9 +32,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,8 +41,9 @@ from typing import Any, BinaryIO, Callable, Optional
 from tqdm import tqdm
 
 from . import records as rec
+from .admission import default_kv_limit
 from .config import EvictionConfig, GenerationConfig, RowsConfig
-from .distributed import Group, local_parts, merge_records, merge_stats, part_path, shard_of
+from .distributed import Group, part_path, shard_of, share
 from .engine import DEFAULT_BATCH_SIZE
 from .files import (
     FileLock,
@@ -54,16 +55,18 @@ from .files import (
     is_stream,
     open_input,
     remove_stale_temps,
-    repair_torn_tail,
     rewrite_atomically,
 )
-from .memory import default_kv_limit, kv_memory, mib
-from .rows import Row, read_rows, read_share
+from .memory import kv_memory, mib
+from .models import ModelUsageError, get_model, with_run_options
+from .resume import Outputs, ResumePlan, Wanted, merge_group, plan_run
+from .rows import Row, read_rows
 from .runner import RowRunner, RowSettings
+from .sink import FIRST_ERRORS, Interrupted, Signals, Sink, row_name, stderr_log
 
 __all__ = [
-    "BatchOptions", "BatchSummary", "BatchUsageError", "Interrupted", "run_batch", "get_model",
-    "plan_resume", "check_resume", "EXIT_OK", "EXIT_ROWS_FAILED", "EXIT_USAGE", "EXIT_IO_ERROR",
+    "BatchOptions", "BatchSummary", "BatchUsageError", "Interrupted", "run_batch",
+    "EXIT_OK", "EXIT_ROWS_FAILED", "EXIT_USAGE", "EXIT_IO_ERROR",
     "EXIT_INTERNAL_ERROR", "EXIT_INTERRUPTED", "EXIT_PIPE_CLOSED",
 ]
 
@@ -74,24 +77,6 @@ EXIT_IO_ERROR = 3
 EXIT_INTERNAL_ERROR = 4
 EXIT_INTERRUPTED = 130
 EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
-
-FIRST_ERRORS = 3
-"""Row errors the summary names one by one (id, line, message); the output has them all."""
-
-LOW_BUDGET_SHARE = 0.25
-"""Below this share of a prompt's tokens, a budget draws a warning (once per run):
-on the embedded model, summaries drift off topic there (README, Results)."""
-
-
-def budget_warning(budget: Optional[int], prompt_tokens: Optional[int], whose: str = "this row's") -> Optional[str]:
-    """The warning for a budget that keeps under :data:`LOW_BUDGET_SHARE` of a
-    prompt's tokens, or None."""
-    if budget is None or not prompt_tokens or budget >= LOW_BUDGET_SHARE * prompt_tokens:
-        return None
-    return (f"--budget {budget} keeps {int(100 * budget / prompt_tokens)}% of {whose} {prompt_tokens}-token "
-            f"prompt; below about {int(100 * LOW_BUDGET_SHARE)}% summaries drift off topic on the embedded model: "
-            "raise --budget or check against --budget none")
-
 
 class BatchUsageError(FileUsageError):
     """A problem found before any row runs (options, input, output, model)."""
@@ -111,7 +96,7 @@ class BatchOptions:
     stats_log: Optional[str] = None
     summary_json: Optional[str] = None
     rows: RowsConfig = field(default_factory=RowsConfig)
-    max_kv_memory: Optional[int] = None  # bytes of KV memory in flight; None: memory.default_kv_limit()
+    max_kv_memory: Optional[int] = None  # bytes of KV memory in flight; None: admission.default_kv_limit()
     # As mlx_lm.generate takes them: stop tokens added to the tokenizer's eos tokens, keyword
     # arguments for apply_chat_template, LoRA adapters and trust_remote_code for mlx_lm's loader
     extra_eos_tokens: tuple = ()
@@ -204,6 +189,14 @@ class BatchSummary:
     def to_dict(self) -> dict:
         return {**asdict(self), "exit_code": self.exit_code}
 
+    def warn(self, message: str, log: Optional[Callable[[str], None]] = None) -> None:
+        """A warning, once per run: in the summary, and through ``log`` now (a run that shows progress)."""
+        if message in self.warnings:
+            return
+        self.warnings.append(message)
+        if log:
+            log(f"knorm-batch: warning: {message}")
+
     def text(self, warnings: bool = True) -> str:
         """The summary for stderr; ``warnings=False`` leaves out the warnings (a run
         with a progress display has said them as they arose)."""
@@ -238,169 +231,29 @@ class BatchSummary:
         return "\n".join(lines)
 
 
-def _row_name(row_id: Any) -> str:
-    return "no id" if row_id is None else f"id {row_id!r}"
-
-
 def error_line(error: dict) -> str:
     """One failed row on one line: its id, then its message (which starts with its line number)."""
-    return f"{_row_name(error.get('id'))}: {error.get('type')}: {error.get('message')}"
+    return f"{row_name(error.get('id'))}: {error.get('type')}: {error.get('message')}"
 
 
-# ------------------------------------------------------------------ models
-
-_MODELS: dict[str, tuple[Any, Any]] = {}
+# ------------------------------------------------------------------ the model
 
 
-def _looks_like_path(spec: str) -> bool:
-    # A hub id is "owner/name"; anything else with a separator, or a file suffix, is a path.
-    return (spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or spec.lower().endswith(".gguf")
-            or os.sep != "/" and os.sep in spec)
-
-
-def get_model(spec: str = "default", *, adapter_path: Optional[str] = None,
-              trust_remote_code: bool = False) -> tuple[Any, Any]:
-    """``load_model(spec, ...)``, cached per spec (and adapters) for the life of the process."""
-    name = spec or "default"
-    key: Any = name if adapter_path is None and not trust_remote_code else (name, adapter_path, trust_remote_code)
-    if key not in _MODELS:
-        from .models import is_mlx_lm_spec, load_model
-
-        if _looks_like_path(name) and not Path(name).expanduser().exists():
-            raise BatchUsageError(f"cannot load model {name!r}: the path {Path(name).expanduser()} does not exist")
-        if adapter_path is not None and not is_mlx_lm_spec(name):
-            try:
-                load_model(name, adapter_path=adapter_path)  # says why, before any loading
-            except ValueError as e:
-                raise BatchUsageError(str(e).replace("adapter_path (--adapter-path)", "--adapter-path")) from None
-        if adapter_path is not None and not Path(adapter_path).expanduser().exists():
-            raise BatchUsageError(f"--adapter-path {adapter_path}: no such file or folder (the folder that holds "
-                                  "adapters.safetensors and adapter_config.json)")
-        try:
-            _MODELS[key] = load_model(name, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
-        except Exception as e:  # any loader failure is a usage error: nothing has run yet
-            raise BatchUsageError(f"cannot load model {name!r}: {e}") from e
-    return _MODELS[key]
+def _load(options: BatchOptions) -> tuple[Any, Any]:
+    try:
+        return get_model(options.model, adapter_path=options.adapter_path,
+                         trust_remote_code=options.trust_remote_code)
+    except ModelUsageError as e:
+        raise BatchUsageError(str(e)) from e
 
 
 def prepare_tokenizer(tokenizer: Any, options: "BatchOptions") -> Any:
     """The tokenizer with the run's extra eos tokens and chat template config (a copy
     when there are any: the cached model's own is left as it is)."""
-    from .models import with_run_options
-
     try:
         return with_run_options(tokenizer, options.extra_eos_tokens, options.chat_template_config)
     except ValueError as e:
         raise BatchUsageError(str(e)) from None
-
-
-# ------------------------------------------------------------------ resume
-
-
-@dataclass
-class ResumePlan:
-    """Which ids are done, and which earlier lines a rewrite keeps."""
-
-    done: set[str] = field(default_factory=set)
-    keep: list[bytes] = field(default_factory=list)
-    keys: list[str] = field(default_factory=list)  # the id of each line of ``keep``
-    rewrite: bool = False
-    torn: bool = False
-    retried: int = 0
-
-
-def check_resume(records: dict, expected: dict[str, Optional[str]], accept_old: bool, where: str,
-                 configs: Optional[dict] = None, model: Optional[str] = None) -> None:
-    """Refuse earlier records made from another row or other settings than the
-    input and options give now, or whose id is no longer in the input, unless
-    ``accept_old`` keeps them as done. ``records`` maps id -> (fingerprint, line).
-    With ``configs`` (id -> the ``config`` a record of it would carry now) and
-    ``model`` (the spec now), the refusal names the settings that differ
-    (``budget: 512 -> 128``) or says that the rows themselves changed."""
-    changed = [k for k, (fp, _) in records.items() if k in expected and fp != expected[k]]
-    gone = [k for k in records if k not in expected]
-    if (changed or gone) and not accept_old:
-        parts = []
-        if changed:
-            parts.append(f"{len(changed)} finished record(s) were made from another row or other settings than "
-                         f"the input and options give now (first: id {changed[0]!r})")
-            if configs is not None:
-                parts += _what_changed([(k, records[k][1]) for k in changed], configs, model)
-        if gone:
-            parts.append(f"{len(gone)} record(s) have ids that are no longer in the input (first: id {gone[0]!r})")
-        raise BatchUsageError(f"{where}: " + "; ".join(parts) + ". Nothing was run. Use --overwrite to start "
-                              "over, -o to write another file, or --accept-old-records to keep the old records "
-                              "as they are (counted as done).")
-
-
-_UNSET = object()
-_MAX_COMPARED = 1000  # changed records whose settings a refusal compares (each is parsed again)
-
-
-def _shown(value: Any) -> str:
-    if value is _UNSET:
-        return "(not set)"
-    if value is None:
-        return "none"
-    if isinstance(value, str) and value and value.strip() == value and "->" not in value:
-        return value
-    return json.dumps(value, ensure_ascii=False)
-
-
-def settings_changes(old: dict, config: dict, model: Optional[str]) -> list[str]:
-    """``name: old -> new`` for each setting (and the model) where an earlier record
-    ``old`` differs from the ``config`` a record would carry now."""
-    changes = []
-    if model is not None and old.get("model") != model:
-        changes.append(f"model: {_shown(old.get('model'))} -> {_shown(model)}")
-    before = old.get("config") if isinstance(old.get("config"), dict) else {}
-    now = json.loads(json.dumps(config))  # tuples as lists, keys as text: as the record holds it
-    for name in [*now, *(k for k in before if k not in now)]:
-        a, b = before.get(name, _UNSET), now.get(name, _UNSET)
-        if a != b:
-            changes.append(f"{name}: {_shown(a)} -> {_shown(b)}")
-    return changes
-
-
-def _what_changed(changed: list, configs: dict, model: Optional[str]) -> list[str]:
-    """The settings that differ between the changed records and now, and the rows
-    whose settings are the same (so their content changed)."""
-    changes: dict[str, None] = {}
-    same_settings: list[str] = []
-    for key, line in changed[:_MAX_COMPARED]:
-        old = rec.parse_record(line.rstrip(b"\n"))
-        if old is None or key not in configs:
-            continue
-        found = settings_changes(old, configs[key], model)
-        if found:
-            changes.update(dict.fromkeys(found))
-        else:
-            same_settings.append(key)
-    parts = []
-    if changes:
-        listed = list(changes)
-        parts.append("settings that differ: " + ", ".join(listed[:8]) + (", ..." if len(listed) > 8 else ""))
-    if same_settings:
-        parts.append(f"{len(same_settings)} of them have the same settings, so their rows changed in the input "
-                     f"(first: id {same_settings[0]!r})")
-    return parts
-
-
-def plan_resume(output: str, expected: dict[str, Optional[str]], accept_old: bool,
-                configs: Optional[dict] = None, model: Optional[str] = None) -> ResumePlan:
-    """Compare an earlier output with the input's rows (see :func:`check_resume`).
-
-    ``expected`` maps each input row's id to the fingerprint a record of it
-    would carry now. A record counts as done only when its fingerprint matches.
-    """
-    try:
-        state = rec.scan_output(output)
-    except rec.OutputCorrupt as e:
-        raise BatchUsageError(str(e)) from None
-    check_resume(state.records, expected, accept_old, output, configs, model)
-    return ResumePlan(done=set(state.records), keep=[line for _, line in state.records.values()],
-                      keys=list(state.records), rewrite=state.needs_rewrite, torn=state.torn,
-                      retried=state.dropped_errors)
 
 
 # ------------------------------------------------------------------ the run
@@ -433,41 +286,33 @@ def run_batch(
     """
     try:
         return _run_batch(input_path, output_path, options or BatchOptions(), model=model, tokenizer=tokenizer,
-                          progress=progress, log=log or _stderr, stdout=stdout, group=group or Group())
+                          progress=progress, log=log or stderr_log, stdout=stdout, group=group or Group())
     except FileUsageError as e:
         if isinstance(e, BatchUsageError):
             raise
         raise BatchUsageError(str(e)) from None
 
 
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 @dataclass
-class _Files:
-    """The files one process writes: its own output and stats log (part files
-    in a distributed run), and the final ones rank 0 assembles."""
+class _Files(Outputs):
+    """The files one process reads and writes: the input, its own output and stats
+    log (part files in a distributed run), and the final ones rank 0 assembles."""
 
     input: str
-    output: str
-    stats_log: Optional[str]
-    own_output: str
-    own_stats: Optional[str]
 
     @classmethod
     def plan(cls, input_path: str, output_path: Optional[str], options: BatchOptions, group: Group) -> "_Files":
         output = output_path or default_output(input_path)
         if not group.distributed:
-            return cls(input_path, output, options.stats_log, output, options.stats_log)
+            return cls(output, options.stats_log, output, options.stats_log, input=input_path)
         if input_path == "-" or is_stream(input_path) or is_stream(output):
             raise BatchUsageError("a run across several processes needs the input and the output as regular files "
                                   "(each rank writes a part file beside the output)")
         stats = options.stats_log
         if stats is not None and is_stream(stats):
             raise BatchUsageError("a run across several processes needs the stats log as a regular file")
-        return cls(input_path, output, stats, part_path(output, group.rank, group.size),
-                   part_path(stats, group.rank, group.size) if stats else None)
+        return cls(output, stats, part_path(output, group.rank, group.size),
+                   part_path(stats, group.rank, group.size) if stats else None, input=input_path)
 
     def check(self, options: BatchOptions, group: Group) -> None:
         named = [("input", self.input), ("output", self.output), ("stats log", self.stats_log),
@@ -506,13 +351,11 @@ class _Prepared:
 
     stream: BinaryIO
     locks: list
-    runner: RowRunner
-    memory: Any
-    expected: dict  # every input row's id -> the fingerprint its record would carry now
-    total: int  # rows this process will see
+    runner: Optional[RowRunner] = None
+    memory: Any = None
+    wanted: Wanted = field(default_factory=Wanted)  # what a record of each input row would carry now
+    total: int = 0  # rows this process will see
     limit: Optional[int] = None
-    lines: dict = field(default_factory=dict)  # every input row's id -> its line number
-    configs: dict = field(default_factory=dict)  # every input row's id -> the config its record would carry
     items: int = 0  # rows and bad lines in the whole input (0: an empty input)
 
 
@@ -521,12 +364,12 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
     options.check()
     files = _Files.plan(input_path, output_path, options, group)
     progress = progress and group.rank == 0  # rank 0 shows the bar; the others speak only of errors
-    with _Signals(log) as signals:
+    with Signals(log) as signals:
         ready = _prepare(files, options, model, tokenizer, group)
         try:
             try:
-                plan = _plan(files, ready.expected, options, group, log if progress else None, ready.lines,
-                             ready.configs)
+                plan = plan_run(files, ready.wanted, accept_old=options.accept_old_records,
+                                overwrite=options.overwrite, group=group, log=log if progress else None)
             except OSError as e:  # a rewrite (a torn line cut) on a full disk
                 raise BatchUsageError(f"cannot rewrite {e.filename or files.own_output}: {e.strerror or e}; "
                                       "nothing was run") from None
@@ -549,8 +392,8 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
             log(memory.describe())  # before a long job: is this configuration bounded?
         if ready.items == 0 and options.limit != 0 and group.rank == 0:
             name = "stdin" if files.input == "-" else files.input
-            _warn(summary, f"no rows in {name}: the input is empty (or holds only blank lines), so nothing ran; "
-                           "the exit status is 0", log if progress else None)
+            summary.warn(f"no rows in {name}: the input is empty (or holds only blank lines), so nothing ran; "
+                         "the exit status is 0", log if progress else None)
         try:
             signals.graceful = True
             _loop(ready, writer, stats, plan.done, summary, progress, signals, group, log, options.verbose)
@@ -582,8 +425,7 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
         if options.summary_json and group.rank == 0 and not is_stream(options.summary_json):
             remove_stale_temps(options.summary_json)
         if model is None:
-            model, tokenizer = get_model(options.model, adapter_path=options.adapter_path,
-                                         trust_remote_code=options.trust_remote_code)
+            model, tokenizer = _load(options)
         tokenizer = prepare_tokenizer(tokenizer, options)
         try:
             runner = _Runner(model, tokenizer, model_spec=options.model, eviction=options.eviction,
@@ -593,15 +435,16 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
         except ValueError as e:
             raise BatchUsageError(str(e)) from None
         memory = kv_memory(model, runner.base.eviction)
-        expected, total, lines, configs, items = _scan_rows(stream, runner, options.limit, group)
-        ready = _Prepared(stream, locks, runner, memory, expected, total, options.limit, lines, configs, items)
+        wanted, total, items = _scan_rows(stream, runner, options.limit, group)
+        ready = _Prepared(stream, locks, runner, memory, wanted, total, options.limit, items)
     except KeyboardInterrupt:
         error = Interrupted()
     except BaseException as e:  # noqa: BLE001 - in a group, every rank must hear of it (below)
         error = e
     try:
         if group.distributed:  # a rank that failed to start fails the launch, with its error, on every rank
-            failures = [(r, m) for r, m in enumerate(group.gather_json(_describe(error))) if m]
+            with group.during("the start"):
+                failures = [(r, m) for r, m in enumerate(group.gather_json(_describe(error))) if m]
             if failures:
                 if isinstance(error, KeyboardInterrupt):
                     raise Interrupted
@@ -609,7 +452,7 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
         elif error is not None:
             raise error
     except BaseException:
-        _release(_Prepared(stream, locks, None, None, {}, 0) if ready is None else ready)
+        _release(_Prepared(stream, locks) if ready is None else ready)
         raise
     return ready
 
@@ -629,15 +472,6 @@ class _Runner(RowRunner):
         return settings
 
 
-def _warn(summary: BatchSummary, message: str, log: Optional[Callable[[str], None]]) -> None:
-    """A warning, once per run: in the summary, and on stderr now when the run shows progress."""
-    if message in summary.warnings:
-        return
-    summary.warnings.append(message)
-    if log:
-        log(f"knorm-batch: warning: {message}")
-
-
 def _release(ready: _Prepared) -> None:
     for lock in ready.locks:
         lock.release()
@@ -651,9 +485,9 @@ def _loop(ready: _Prepared, writer, stats, done: set, summary: BatchSummary, pro
     label = f"rank 0/{group.size}" if group.distributed else None
     bar = tqdm(total=ready.total, unit="row", file=sys.stderr, dynamic_ncols=True, desc=label,
                disable=not (progress and sys.stderr.isatty()))
-    sink = _Sink(writer, stats, summary, bar, kv=ready.runner.kv, log=log or _stderr, verbose=verbose,
+    sink = Sink(writer, stats, summary, bar, kv=ready.runner.kv, log=log or stderr_log, verbose=verbose,
                  live=progress)
-    items = read_share(ready.stream, ready.limit, group.rank, group.size, shape=ready.runner.rows)
+    items = share(read_rows(ready.stream, shape=ready.runner.rows), ready.limit, group.rank, group.size)
     with bar:
         try:
             ready.runner.run(items, done, sink.emit, stop_reading=lambda: signals.stop,
@@ -685,167 +519,21 @@ def _write_summary(path: Optional[str], summary: BatchSummary) -> None:
         summary.io_error = summary.io_error or f"cannot write summary {path}: {e}"
 
 
-def _plan(files: _Files, expected: dict, options: BatchOptions, group: Group,
-          log: Optional[Callable[[str], None]], lines: Optional[dict] = None,
-          configs: Optional[dict] = None) -> ResumePlan:
-    """What is already done. One process: its output. A group: every rank's earlier
-    records (its part files and, on rank 0's machine, the final output), exchanged.
-    ``configs`` (id -> config now) let a refusal name the settings that differ."""
-    if is_stream(files.own_output):
-        return ResumePlan()
-    if group.distributed:
-        return _plan_group(files, expected, options, group, log, configs)
-    return _plan_alone(files, expected, options, log, lines or {}, configs)
-
-
-def _plan_alone(files: _Files, expected: dict, options: BatchOptions,
-                log: Optional[Callable[[str], None]], lines: dict, configs: Optional[dict] = None) -> ResumePlan:
-    parts = local_parts(files.output)
-    if options.overwrite:
-        for path in parts:
-            path.unlink(missing_ok=True)
-        return ResumePlan()
-    plan = plan_resume(files.own_output, expected, options.accept_old_records, configs, options.model)
-    if parts:  # an earlier run across several processes stopped before its merge: take its records in
-        have = set(plan.done)
-        extra = [(k, fp, line.encode("utf-8")) for k, fp, line in _local_records(files) if k not in have]
-        extra = list({k: (fp, line) for k, fp, line in extra}.items())
-        check_resume(dict(extra), expected, options.accept_old_records, files.output, configs, options.model)
-        plan.keep += [line for _, (_, line) in extra]
-        plan.keys += [k for k, _ in extra]
-        plan.done |= {k for k, _ in extra}
-        plan.rewrite = True
-    if plan.rewrite:
-        rewrite_atomically(files.own_output, plan.keep)
-        for path in parts:
-            path.unlink(missing_ok=True)
-    if files.own_stats and not is_stream(files.own_stats):
-        _reconcile_stats(files.own_stats, plan, lines)
-    if (plan.done or plan.rewrite) and log:
-        log(f"resuming {files.own_output}: {len(plan.done)} rows already done"
-            + (f", {plan.retried} failed rows to retry" if plan.retried else "")
-            + (", cut a torn last line" if plan.torn else ""))
-    return plan
-
-
-def _reconcile_stats(path: str, plan: ResumePlan, lines: dict) -> None:
-    """Make the stats log hold exactly one entry per record the output keeps, in
-    the output's order: the record's own entry where the log has one, else one
-    rebuilt from the record (a kill between a record and its entry, a full disk
-    under the stats log). Entries of dropped records and a torn line go."""
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        data = b""
-    entries: dict[str, bytes] = {}
-    for raw in data.splitlines(keepends=True):
-        try:
-            entry = json.loads(raw) if raw.endswith(b"\n") else None
-        except (ValueError, RecursionError):
-            entry = None
-        if isinstance(entry, dict) and "id" in entry and entry.get("error") is None:
-            if "answers" in entry and "n_answers" not in entry:  # a log from before n_answers: renamed
-                raw = rec.dump_record(rec.upgrade_stats_entry(entry))
-            entries[rec.id_key(entry["id"])] = raw  # the latest entry of an id is its record's
-    want = []
-    for key, line in zip(plan.keys, plan.keep):
-        raw = entries.get(key)
-        if raw is None:
-            record = {**dict.fromkeys(rec.RECORD_FIELDS), **json.loads(line)}  # an old record may lack some
-            raw = rec.dump_record(rec.stats_entry(record, lines.get(key)))
-        want.append(raw)
-    if b"".join(want) != data:
-        try:
-            rewrite_atomically(path, want)
-        except OSError as e:
-            raise OSError(e.errno, e.strerror, path) from None  # name the stats log, not its temp file
-
-
-def _plan_group(files: _Files, expected: dict, options: BatchOptions, group: Group,
-                log: Optional[Callable[[str], None]], configs: Optional[dict] = None) -> ResumePlan:
-    if options.overwrite:
-        for path in [*local_parts(files.output)] + ([*local_parts(files.stats_log)] if files.stats_log else []):
-            if str(path) not in (files.own_output, files.own_stats):
-                path.unlink(missing_ok=True)
-        group.barrier()  # nobody deletes a part another rank has started since
-        return ResumePlan()
-    union: dict[str, tuple[Optional[str], bytes]] = {}
-    for records in group.gather_json(_local_records(files)):
-        for key, fp, line in records:
-            current = union.get(key)
-            if current is None or (current[0] != expected.get(key) and fp == expected.get(key)):
-                union[key] = (fp, line.encode("utf-8"))
-    check_resume(union, expected, options.accept_old_records, files.output, configs, options.model)
-    state = rec.scan_output(files.own_output)  # this rank's part: cut a torn line, drop failed records
-    if state.needs_rewrite:
-        rewrite_atomically(files.own_output, [line for _, line in state.records.values()])
-    if files.own_stats:
-        repair_torn_tail(files.own_stats)
-    if union and log:
-        log(f"resuming {files.output}: {len(union)} rows already done (all ranks)")
-    return ResumePlan(done=set(union), keep=[line for _, line in union.values()])
-
-
-def _local_records(files: _Files) -> list[tuple[str, Optional[str], str]]:
-    """``(id, fingerprint, line)`` of every successful record on this machine:
-    the final output (if it is here) and every part file, of any group size."""
-    out = []
-    for path in [Path(files.output), *local_parts(files.output)]:
-        try:
-            state = rec.scan_output(path)
-        except rec.OutputCorrupt as e:
-            raise BatchUsageError(str(e)) from None
-        out += [(key, fp, line.decode("utf-8")) for key, (fp, line) in state.records.items()]
-    return out
-
-
 def _finish_group(files: _Files, ready: _Prepared, plan: ResumePlan, summary: BatchSummary,
                   options: BatchOptions, group: Group) -> BatchSummary:
-    """Every rank's records to rank 0, which writes the final output in input order;
-    then each rank removes the part files the output now holds."""
+    """Every rank's summary and records to rank 0, which writes the final output in
+    input order (:func:`~knorm_gen.resume.merge_group`) and reports the whole job."""
     if summary.interrupted or summary.io_error:
         return summary  # the parts keep every finished record; rerunning the launch resumes
-    parts = [Path(files.own_output), *local_parts(files.output)]
-    stats_parts = [Path(files.own_stats), *local_parts(files.stats_log)] if files.stats_log else []
-    blobs = group.gather_bytes(b"".join(_read(p) for p in dict.fromkeys(parts)))
-    stats_blobs = group.gather_bytes(b"".join(_read(p) for p in dict.fromkeys(stats_parts)))
-    summaries = group.gather_json(summary.to_dict())
-    total = combine_summaries(summaries, files)
-    if group.rank == 0:
+
+    def items():
         ready.stream.seek(0)
-        lines = merge_records(read_share(ready.stream, options.limit, shape=options.rows), plan.keep, blobs,
-                              ready.expected,
-                              options.accept_old_records)
-        rewrite_atomically(files.output, lines)
-        if files.stats_log:
-            rewrite_atomically(files.stats_log, merge_stats(_upgrade_stats(_read(Path(files.stats_log))),
-                                                            stats_blobs))
-    group.barrier()  # rank 0 has written and fsynced the final files: the parts are redundant now
-    for path in dict.fromkeys(parts + stats_parts):
-        path.unlink(missing_ok=True)
+        return share(read_rows(ready.stream, shape=options.rows), options.limit)
+
+    with group.during("the merge"):
+        total = combine_summaries(group.gather_json(summary.to_dict()), files)
+    merge_group(files, items, plan, ready.wanted.expected, options.accept_old_records, group)
     return total if group.rank == 0 else summary
-
-
-def _upgrade_stats(data: bytes) -> bytes:
-    """A stats log with the entries of older logs renamed (``answers`` -> ``n_answers``)."""
-    if b'"answers"' not in data:
-        return data
-    out = []
-    for raw in data.splitlines(keepends=True):
-        try:
-            entry = json.loads(raw) if raw.endswith(b"\n") else None
-        except (ValueError, RecursionError):
-            entry = None
-        out.append(rec.dump_record(rec.upgrade_stats_entry(entry))
-                   if isinstance(entry, dict) and "answers" in entry and "n_answers" not in entry else raw)
-    return b"".join(out)
-
-
-def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        return b""
 
 
 def combine_summaries(summaries: list[dict], files: _Files) -> BatchSummary:
@@ -887,204 +575,22 @@ def _open_writer(path: str, fresh: bool, stdout: Optional[BinaryIO]) -> rec.Reco
         raise BatchUsageError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def _scan_rows(stream: BinaryIO, runner: RowRunner, limit: Optional[int],
-               group: Group) -> tuple[dict[str, Optional[str]], int, dict[str, int], dict[str, dict], int]:
-    """Every input row's id -> the fingerprint its record would carry, the
-    number of rows this process will see (after --limit, in its share),
-    every row's id -> its line number, every row's id -> the config its record
-    would carry (rows with valid settings), and the number of items (rows and
-    bad lines) in the whole input."""
-    expected: dict[str, Optional[str]] = {}
-    lines: dict[str, int] = {}
-    configs: dict[str, dict] = {}
+def _scan_rows(stream: BinaryIO, runner: RowRunner, limit: Optional[int], group: Group) -> tuple[Wanted, int, int]:
+    """What a record of each input row would carry now (its fingerprint, line and
+    config), the number of rows this process will see (after --limit, in its
+    share), and the number of items (rows and bad lines) in the whole input."""
+    wanted = Wanted(model=runner.model_spec)
     total = items = 0
     for n, item in enumerate(read_rows(stream, shape=runner.rows)):
         items += 1
         if isinstance(item, Row):
-            expected[item.key] = runner.fingerprint(item)
-            lines[item.key] = item.line
-            if expected[item.key] is not None:
-                configs[item.key] = runner.settings_for(item.overrides).config  # shared by rows alike
+            fingerprint = wanted.expected[item.key] = runner.fingerprint(item)
+            wanted.lines[item.key] = item.line
+            if fingerprint is not None:
+                wanted.configs[item.key] = runner.settings_for(item.overrides).config  # shared by rows alike
         if (limit is None or n < limit) and shard_of(n, group.size) == group.rank:
             total += 1
     stream.seek(0)
-    return expected, total, lines, configs, items
-
-
-# ------------------------------------------------------------------ signals and output
-
-
-class _Signals:
-    """SIGINT and SIGTERM. Before rows run they abort at once (nothing to lose);
-    while rows run the first one sets ``stop`` (the runner finishes and writes
-    the row in flight, then stops) and a second aborts."""
-
-    def __init__(self, notify: Callable[[str], None]):
-        self.stop = False
-        self.graceful = False
-        self._notify = notify
-        self._old: dict = {}
-
-    def __enter__(self) -> "_Signals":
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if not self.graceful or self.stop:
-            raise KeyboardInterrupt
-        self.stop = True
-        name = signal.Signals(signum).name
-        self._notify(f"\n{name}: stopping after the rows in flight are written (again to abort them)")
-
-    def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
-class Interrupted(KeyboardInterrupt):
-    """Interrupted before any row ran: nothing was written."""
-
-
-class _Sink:
-    """Writes each finished record whole, and counts it in the summary and the bar.
-    A closed output pipe or an I/O error sets ``stopped``: the run ends there."""
-
-    def __init__(self, writer, stats, summary: BatchSummary, bar, kv=None, log: Optional[Callable[[str], None]] = None,
-                 verbose: bool = False, live: bool = False):
-        self.writer, self.stats, self.summary, self.bar = writer, stats, summary, bar
-        self.kv = kv  # the runner's KVLimit: memory in flight for the bar and the summary
-        self.log = log or _stderr
-        self.verbose = verbose  # a line per finished row
-        self.live = live  # warnings said as they arise (else only in the summary)
-        self.ratios: list[float] = []
-        self.decode_s = 0.0
-        self.stopped = False
-        self.budget_warned = False
-
-    def say(self, message: str) -> None:
-        """A line on stderr, above the progress bar when there is one."""
-        if not self.bar.disable:
-            tqdm.write(message, file=sys.stderr)
-        else:
-            self.log(message)
-
-    def emit(self, record: Optional[dict], line: int) -> None:
-        """Write one finished record (None: a row skipped as already done)."""
-        summary = self.summary
-        if record is None:
-            summary.rows += 1
-            summary.skipped += 1
-            self.bar.update(1)
-            return
-        try:
-            self.writer.write(record)
-        except BrokenPipeError:
-            summary.pipe_closed = self.stopped = True
-            _silence_stdout()
-            return
-        except OSError as e:
-            self._failed("output", self.writer, e)
-            if not isinstance(e, rec.FileVanished):
-                return  # not written (and cut off again)
-            # written, to a file no name leads to any more: counted, and the message says so
-        if self.stats and not self.stopped:
-            try:
-                self.stats.write(rec.stats_entry(record, line))
-            except OSError as e:  # the record is written and counted; a resume rebuilds its entry
-                self._failed("stats log", self.stats, e)
-                self.stats = None
-        summary.rows += 1
-        if record["error"] is None:
-            summary.ok += 1
-            summary.tokens_seen += record["tokens_seen"]
-            summary.tokens_kept += record["tokens_kept"]
-            summary.generated_tokens += record["generated_tokens"]
-            self.decode_s += record["decode_s"] or 0.0
-            self.ratios.append(record["compression_ratio"])
-        else:
-            summary.failed += 1
-            kind = record["error"]["type"]
-            summary.errors[kind] = summary.errors.get(kind, 0) + 1
-            if len(summary.first_errors) < FIRST_ERRORS:
-                summary.first_errors.append({"id": record["id"], "line": record["error"].get("line", line),
-                                             "type": kind, "message": record["error"]["message"]})
-            if not self.bar.disable and not self.verbose:  # per-row notes only beside a live progress bar
-                tqdm.write(f"error: {record['error']['message']}", file=sys.stderr)
-        if self.verbose:
-            self.say(row_line(record, line))
-        if record["error"] is None and not self.budget_warned:
-            self._check_budget(record, line)
-        self.bar.set_postfix({"ok": summary.ok, "failed": summary.failed,
-                              "tok/s": f"{summary.generated_tokens / self.decode_s:.1f}" if self.decode_s else "-",
-                              "compress": f"{sum(self.ratios) / len(self.ratios):.2f}x" if self.ratios else "-",
-                              **({"kv": f"{self.kv.in_flight / 2**20:.0f}MiB"} if self.kv else {})},
-                             refresh=False)
-        self.bar.update(1)
-
-    def _check_budget(self, record: dict, line: int) -> None:
-        config = record.get("config") or {}
-        message = budget_warning(config.get("budget"), record.get("prompt_tokens"))
-        if message:
-            self.budget_warned = True
-            message += f" (first such row: {_row_name(record['id'])}, line {line}; said once per run)"
-            if self.live:
-                _warn(self.summary, message, self.say)
-            else:
-                self.summary.warnings.append(message)
-
-    def _failed(self, what: str, writer, e: OSError) -> None:
-        self.stopped = True
-        if self.summary.io_error:
-            return
-        name = writer.path or "stdout"
-        if isinstance(e, rec.FileVanished):
-            lost = ("the records this run wrote to it are lost; rerun to write them again" if what == "output"
-                    else "a rerun rebuilds it from the output")
-            self.summary.io_error = f"the {what} {name} {e} while this run was writing it: {lost}"
-        else:
-            self.summary.io_error = f"cannot write the {what} {name}: {e.strerror or e}"
-
-    def finish(self, wall_s: float) -> None:
-        summary = self.summary
-        for what, writer in (("output", self.writer), ("stats log", self.stats)):
-            if writer is not None and not self.stopped:
-                try:
-                    writer.check()  # deleted after its last write: not a success either
-                except rec.FileVanished as e:
-                    self._failed(what, writer, e)
-        summary.wall_s = wall_s
-        if self.kv is not None:
-            summary.kv_limit_bytes, summary.kv_peak_bytes = self.kv.limit, self.kv.peak
-        if self.ratios:
-            summary.compression_mean = sum(self.ratios) / len(self.ratios)
-            summary.compression_min, summary.compression_max = min(self.ratios), max(self.ratios)
-        if wall_s > 0:
-            summary.tokens_per_s = summary.tokens_seen / wall_s
-            summary.generated_tokens_per_s = summary.generated_tokens / wall_s
-
-
-def row_line(record: dict, line: int) -> str:
-    """``--verbose``: one finished row on one line (id, tokens seen and kept, compression, seconds)."""
-    name = f"row {_row_name(record['id']).removeprefix('id ')}"
-    if record["error"] is not None:  # its message starts with its line number
-        return f"{name}: failed: {record['error']['type']}: {record['error']['message']}"
-    name += f" (line {line})"
-    seconds = (record.get("prefill_s") or 0.0) + (record.get("decode_s") or 0.0)
-    ratio = record.get("compression_ratio")
-    return (f"{name}: {record['tokens_seen']} tokens seen, {record['tokens_kept']} kept, "
-            f"{f'{ratio:.2f}x' if ratio is not None else '-'}, {seconds:.2f} s")
-
-
-def _silence_stdout() -> None:
-    # The reader left: point stdout at /dev/null so the interpreter's final flush
-    # does not print a BrokenPipeError traceback.
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):
-        pass
+    return wanted, total, items
 
 

@@ -3,12 +3,12 @@
 ``cache_stats`` reads a cache list after (or during) a run; ``kv_memory`` tells,
 before any run, what a configuration implies for a model's KV memory per row.
 Bytes are keys plus values summed over all layers; skipped layers count at full
-size.
+size. What rows in flight reach together, and the limit they run under, is
+:mod:`knorm_gen.admission`.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
 
@@ -142,66 +142,6 @@ def kv_memory(model: nn.Module, config: Union[EvictionConfig, ResolvedEviction, 
     model(mx.array([[0]]), cache=caches)
     mx.eval([c.state for c in caches])
     return KVMemory([(_layer_bytes(c)[3], layer_capacity(c)) for c in caches])
-
-
-# ---- what rows in flight can reach ---------------------------------------------------
-
-DEFAULT_KV_SHARE = 0.5
-"""The default ``--max-kv-memory``: this share of the machine's memory (of Metal's
-recommended working set on a Mac), leaving the rest to the weights, the prefill's
-transient activations and everything else on the machine."""
-
-
-class KVMemoryExceeded(ValueError):
-    """A row needs more KV memory than the limit allows, even alone."""
-
-
-@dataclass(frozen=True)
-class KVNeed:
-    """The most KV memory one sequence can reach: the bytes of its bounded layers,
-    and the positions its layers that keep every token will hold."""
-
-    bounded_bytes: int
-    unbounded_positions: int
-
-
-def sequence_need(memory: KVMemory, tokens: int, pinned: int = 0) -> KVNeed:
-    """What a sequence of ``tokens`` positions (prompt plus ``max_tokens``) can reach;
-    the last ``pinned`` of them (a question and its answer over a compressed context)
-    are never evicted, so they come on top of a bounded layer's budget."""
-    bounded = sum(row * (min(tokens - pinned, cap) + pinned) for row, cap in memory.layers if cap is not None)
-    return KVNeed(bounded, tokens if memory.growth_bytes_per_token else 0)
-
-
-_BATCH_STEP = 256  # mlx_lm's BatchKVCache grows in steps of 256 positions
-
-
-def batch_bytes(needs: list[KVNeed], growth_bytes_per_token: int) -> int:
-    """KV bytes a batch of these sequences can reach together. mlx_lm's batch cache
-    for a layer that keeps every token pads every row to the longest one, so those
-    layers cost rows x the longest row (in 256-position steps), not the sum."""
-    if not needs:
-        return 0
-    longest = max(n.unbounded_positions for n in needs)
-    longest = -(-longest // _BATCH_STEP) * _BATCH_STEP
-    return sum(n.bounded_bytes for n in needs) + len(needs) * longest * growth_bytes_per_token
-
-
-def machine_memory_bytes() -> int:
-    """Metal's recommended working set on an Apple GPU, else the machine's physical memory."""
-    try:
-        if mx.metal.is_available():
-            info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-            return int(info["max_recommended_working_set_size"])
-    except (AttributeError, KeyError, RuntimeError, TypeError, ValueError):
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def default_kv_limit() -> int:
-    """The default limit on KV memory in flight: :data:`DEFAULT_KV_SHARE` of
-    :func:`machine_memory_bytes`."""
-    return int(DEFAULT_KV_SHARE * machine_memory_bytes())
 
 
 def mib(n: int) -> str:

@@ -1,6 +1,7 @@
 """Model loading: the embedded SmolLM2, Gemma 3 270M, any supported GGUF, or mlx_lm.load.
 
-``load_model()`` returns ``(model, tokenizer)`` ready for mlx_lm generation.
+``load_model()`` returns ``(model, tokenizer)`` ready for mlx_lm generation;
+``get_model()`` keeps each one loaded for the life of the process.
 GGUF files go through :mod:`knorm_gen.gguf` (converted once, then loaded from
 a cache). On the CPU the weights are held in float32 (see
 :mod:`knorm_gen.runtime`).
@@ -19,6 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from . import gguf, runtime
+from .files import remove_stale_temps, replacing
 
 __all__ = [
     "ModelNotFoundError",
@@ -30,6 +32,9 @@ __all__ = [
     "load_gguf",
     "model_context_length",
     "is_mlx_lm_spec",
+    "looks_like_path",
+    "get_model",
+    "ModelUsageError",
     "with_run_options",
 ]
 
@@ -94,13 +99,9 @@ def gemma_270m_path() -> Path:
     target = gguf.cache_root() / "gguf" / pkg.MODEL_NAME
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
-        gguf.remove_stale(target.parent, f".{target.name}.*.tmp")
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        try:
+        remove_stale_temps(target)  # the assemblies of killed processes
+        with replacing(target, sync_folder=False) as tmp:
             pkg.assemble(tmp, overwrite=True)
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
     return target
 
 
@@ -114,8 +115,12 @@ def model_context_length(model: Any) -> int | None:
     return int(value) if value else None
 
 
-def _looks_like_path(spec: str) -> bool:
-    return spec.lower().endswith(".gguf") or spec.startswith(("/", "./", "../", "~")) or os.path.exists(spec)
+def looks_like_path(spec: str) -> bool:
+    """Whether a model spec names a file or folder, not a hub id (``owner/name``): it
+    starts with ``/``, ``.`` or ``~``, holds more than one ``/`` (or the system's own
+    separator), ends in ``.gguf``, or names something that exists."""
+    return (spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or spec.lower().endswith(".gguf")
+            or os.sep != "/" and os.sep in spec or os.path.exists(spec))
 
 
 def is_mlx_lm_spec(spec: str | None) -> bool:
@@ -124,7 +129,7 @@ def is_mlx_lm_spec(spec: str | None) -> bool:
     a ``.gguf`` file)."""
     if spec is None or spec in ("default", GEMMA_270M):
         return False
-    if _looks_like_path(str(spec)):
+    if looks_like_path(str(spec)):
         return not Path(spec).expanduser().is_file()
     return True
 
@@ -167,7 +172,7 @@ def load_model(spec: str | None = None, *, float32: bool | None = None, adapter_
         pkg = _gemma_package()
         model, tokenizer = load_gguf(gemma_270m_path(), float32=float32, sha256=pkg.EXPECTED_SHA256)
         model.knorm_info["source"] = GEMMA_270M
-    elif _looks_like_path(str(spec)):
+    elif looks_like_path(str(spec)):
         path = Path(spec).expanduser()
         if not path.exists():
             raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
@@ -211,6 +216,41 @@ def _load_mlx_lm(spec: str, float32: bool, adapter_path: str | None = None, trus
     if adapter_path is not None:
         model.knorm_info["adapter_path"] = kwargs["adapter_path"]
     return model, tokenizer
+
+
+# ---- the models loaded in this process ------------------------------------------------
+
+
+class ModelUsageError(ValueError):
+    """A model that cannot be loaded (a path that does not exist, adapters it cannot
+    take, a loader failure): found before anything runs."""
+
+
+_MODELS: dict[Any, tuple[Any, Any]] = {}
+
+
+def get_model(spec: str = "default", *, adapter_path: str | None = None,
+              trust_remote_code: bool = False) -> tuple[Any, Any]:
+    """``load_model(spec, ...)``, cached per spec (and adapters) for the life of the
+    process; :class:`ModelUsageError` says why one cannot be loaded."""
+    name = spec or "default"
+    key: Any = name if adapter_path is None and not trust_remote_code else (name, adapter_path, trust_remote_code)
+    if key not in _MODELS:
+        if looks_like_path(name) and not Path(name).expanduser().exists():
+            raise ModelUsageError(f"cannot load model {name!r}: the path {Path(name).expanduser()} does not exist")
+        if adapter_path is not None and not is_mlx_lm_spec(name):
+            try:
+                load_model(name, adapter_path=adapter_path)  # says why, before any loading
+            except ValueError as e:
+                raise ModelUsageError(str(e).replace("adapter_path (--adapter-path)", "--adapter-path")) from None
+        if adapter_path is not None and not Path(adapter_path).expanduser().exists():
+            raise ModelUsageError(f"--adapter-path {adapter_path}: no such file or folder (the folder that holds "
+                                  "adapters.safetensors and adapter_config.json)")
+        try:
+            _MODELS[key] = load_model(name, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
+        except Exception as e:  # any loader failure is a usage error: nothing has run yet
+            raise ModelUsageError(f"cannot load model {name!r}: {e}") from e
+    return _MODELS[key]
 
 
 def with_run_options(tokenizer: Any, extra_eos_tokens=(), chat_template_config: dict | None = None):

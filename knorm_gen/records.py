@@ -6,8 +6,8 @@ record has the same keys (:data:`RECORD_FIELDS`), built here from a row and its
 :class:`~knorm_gen.results.GenerationResult` (or its error), with the
 ``fingerprint`` of what produced it.
 
-Reading: :func:`scan_output` reads an earlier output for resume and finds a
-torn last line.
+Reading: :func:`parse_record` reads one line back (:mod:`knorm_gen.resume`
+reads whole outputs).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import json
 import math
 import os
 import stat
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Optional, Sequence, Union
 
@@ -32,6 +31,8 @@ GENERATION_ERROR = "generation_error"
 KV_MEMORY_EXCEEDED = "kv_memory_exceeded"  # a row that cannot fit --max-kv-memory even alone
 ERROR_TYPES = (INVALID_UTF8, INVALID_JSON, LINE_TOO_LONG, INVALID_ROW, DUPLICATE_ID, PROMPT_TOO_LONG,
                KV_MEMORY_EXCEEDED, GENERATION_ERROR)
+"""Every ``error.type`` a record can carry, as the README's record table lists them
+(``tests/test_records.py`` holds the two together)."""
 
 STATS_FIELDS = (
     "finish_reason", "prompt_tokens", "generated_tokens", "tokens_seen", "tokens_kept", "tokens_pinned",
@@ -224,70 +225,7 @@ class RecordWriter:
             self.stream.close()
 
 
-# ------------------------------------------------------------------ resume
-
-
-class OutputCorrupt(ValueError):
-    """An existing output has a line that a kill could not have left, or an id twice."""
-
-
-@dataclass
-class ResumeState:
-    """What an existing output holds.
-
-    ``records`` maps each id (as text) with a successful record to
-    ``(fingerprint, raw line)``, in file order, lines byte for byte;
-    ``dropped_errors`` counts failed records (their rows are retried);
-    ``torn`` says the last line was unterminated or unreadable.
-    """
-
-    records: dict[str, tuple[Optional[str], bytes]] = field(default_factory=dict)
-    dropped_errors: int = 0
-    torn: bool = False
-
-    @property
-    def needs_rewrite(self) -> bool:
-        return self.torn or self.dropped_errors > 0
-
-
-def scan_output(path: Union[str, Path]) -> ResumeState:
-    """Read an earlier output for resume; a missing file is an empty state.
-
-    A kill can only leave the *last* line incomplete, so a bad last line is
-    torn and will be cut; a bad line anywhere else, or a successful id that
-    appears twice (two runs wrote the same file), raises :class:`OutputCorrupt`.
-    """
-    state = ResumeState()
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        return state
-    lines = data.split(b"\n")
-    tail = lines.pop()  # b"" when the file ends with a newline
-    if tail:
-        state.torn = True
-    first_line: dict[str, int] = {}
-    for i, line in enumerate(lines, 1):
-        record = parse_record(line)
-        if record is None:
-            if i == len(lines) and not tail:
-                state.torn = True
-                break
-            raise OutputCorrupt(f"{path} line {i} is not a knorm-batch record; "
-                                "use --overwrite or another --output")
-        if record["error"] is None and record["id"] is not None:
-            key = id_key(record["id"])
-            if key in first_line:
-                raise OutputCorrupt(
-                    f"{path} holds a successful record for id {record['id']!r} twice (lines {first_line[key]} "
-                    f"and {i}), which one run never writes: two runs wrote this file at once. Keep the lines "
-                    "you want and delete the rest, or use --overwrite or another --output")
-            first_line[key] = i
-            fingerprint = record.get("fingerprint")
-            state.records[key] = (fingerprint if isinstance(fingerprint, str) else None, line + b"\n")
-        else:
-            state.dropped_errors += 1
-    return state
+# ------------------------------------------------------------------ reading
 
 
 def parse_record(line: bytes) -> Optional[dict]:

@@ -319,15 +319,3 @@ def _override_error(name: str, value: Any) -> Optional[str]:
     if name == "budget" and value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         return f"field 'budget' must be an integer >= 1 or null (full cache), got {_show(value)}"
     return None
-
-
-def read_share(stream: BinaryIO, limit: Optional[int] = None, rank: int = 0, size: int = 1,
-               shape: Optional[RowsConfig] = None) -> Iterator[Union[Row, RowError]]:
-    """The input items (rows and row errors) up to ``limit``, and of those only the
-    share of process ``rank`` of ``size``: the items whose 0-based index (non-blank
-    lines) modulo ``size`` is ``rank``."""
-    for n, item in enumerate(read_rows(stream, shape=shape)):
-        if limit is not None and n >= limit:
-            return
-        if n % size == rank:
-            yield item

@@ -11,14 +11,14 @@ order). Every record is built here, whole, with its fingerprint;
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 from . import records as rec
+from .admission import KVLimit, KVMemoryExceeded
 from .config import EvictionConfig, GenerationConfig, ResolvedEviction, RowsConfig, make_configs, settings_dict
-from .engine import Job, KVLimit, Outcome, run_jobs
-from .generate import prompt_job, question_job, stream_job
+from .engine import Outcome, Request, run_jobs
+from .generate import prompt_request, question_request, stream_request
 from .mlx_compat import full_attention_layers
-from .memory import KVMemoryExceeded
 from .prompts import PromptTooLongError
 from .rows import Row, RowError
 
@@ -111,10 +111,10 @@ class RowRunner:
         if self.batch_size == 1:
             self._run_alone(items, done, emit, stop_reading)
             return
-        jobs = self._jobs(items, done, emit, lambda: stop_reading() or stop_now())
-        for job, outcome in run_jobs(self.model, self.tokenizer, jobs, batch_size=self.batch_size,
-                                     seed=self.generation.seed, alone=self._alone, kv_limit=self.kv):
-            row, settings = job.tag
+        requests = self._requests(items, done, emit, lambda: stop_reading() or stop_now())
+        for request, outcome in run_jobs(self.model, self.tokenizer, requests, batch_size=self.batch_size,
+                                         seed=self.generation.seed, alone=self._alone, kv_limit=self.kv):
+            row, settings = request.tag
             emit(self._outcome_record(row, settings, outcome), row.line)
             if stop_now():
                 return
@@ -124,65 +124,66 @@ class RowRunner:
             return self.failure_record(row, settings, outcome)
         return self.result_record(row, settings, outcome)
 
-    def _run_alone(self, items, done: set, emit: Emit, stop: Callable[[], bool]) -> None:
-        """One row at a time: each record is handed over before the next row starts."""
+    def _to_run(self, items, done: set, emit: Emit, stop: Callable[[], bool]) -> Iterator[Row]:
+        """The rows that need running; a row already done and a line that is no row
+        are handed to ``emit`` at once. After each item, ``stop()`` ends the rest."""
         for item in items:
             if isinstance(item, Row) and item.key in done:
                 emit(None, item.line)
             elif isinstance(item, RowError):
                 emit(self.error_record(item), item.line)
             else:
-                emit(self.run_row(item), item.line)
+                yield item
             if stop():
                 return
+
+    def _run_alone(self, items, done: set, emit: Emit, stop: Callable[[], bool]) -> None:
+        """One row at a time: each record is handed over before the next row starts."""
+        for row in self._to_run(items, done, emit, stop):
+            emit(self.run_row(row), row.line)
 
     def run_row(self, row: Row) -> dict:
         """Generate for one row alone; any failure becomes the record's error."""
         settings = None
         try:
             settings = self.settings_for(row.overrides)
-            job = self._job(row, settings)  # encoded once: the memory check and the generation share it
+            request = self._request(row, settings)  # encoded once: the memory check and the generation share it
             if self.kv is not None:
-                self.kv.check_alone(job)
-            return self.result_record(row, settings, self._alone(job))
+                self.kv.check_alone(request)
+            return self.result_record(row, settings, self._alone(request))
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 - one bad row must not stop an overnight run
             return self.failure_record(row, settings, e)
 
-    def _alone(self, job: Job) -> list:
-        """A job's results with nothing else in flight: a prompt on mlx_lm's stream_generate
+    def _alone(self, request: Request) -> list:
+        """A request's results with nothing else in flight: a prompt on mlx_lm's stream_generate
         (as generate_with_eviction runs it), a context's questions as answer_questions does."""
-        if job.ids is None:
-            ((_, results),) = run_jobs(self.model, self.tokenizer, [job], batch_size=self.batch_size,
-                                       seed=job.generation.seed)
+        if request.ids is None:
+            ((_, results),) = run_jobs(self.model, self.tokenizer, [request], batch_size=self.batch_size,
+                                       seed=request.generation.seed)
             return results
-        *_, result = stream_job(self.model, self.tokenizer, job)
+        *_, result = stream_request(self.model, self.tokenizer, request)
         return [result]
 
-    def _jobs(self, items, done: set, emit: Emit, stop: Callable[[], bool]):
-        """The rows that can run, as jobs; the others become records at once, so
-        they never enter (or disturb) a batch."""
-        for item in items:
-            if stop():
-                return
-            if isinstance(item, Row) and item.key in done:
-                emit(None, item.line)
-            elif isinstance(item, RowError):
-                emit(self.error_record(item), item.line)
+    def _requests(self, items, done: set, emit: Emit, stop: Callable[[], bool]) -> Iterator[Request]:
+        """The rows that can run, as requests; the others become records at once, so
+        they never enter (or disturb) a batch. ``stop()`` is asked before each item."""
+        if stop():
+            return
+        for row in self._to_run(items, done, emit, stop):
+            settings = None
+            try:
+                settings = self.settings_for(row.overrides)
+                request = self._request(row, settings)
+            except Exception as e:  # noqa: BLE001 - a bad row never enters a batch
+                emit(self.failure_record(row, settings, e), row.line)
             else:
-                settings = None
-                try:
-                    settings = self.settings_for(item.overrides)
-                    job = self._job(item, settings)
-                except Exception as e:  # noqa: BLE001 - a bad row never enters a batch
-                    emit(self.failure_record(item, settings, e), item.line)
-                else:
-                    yield job
+                yield request
 
-    def _job(self, row: Row, settings: RowSettings) -> Job:
+    def _request(self, row: Row, settings: RowSettings) -> Request:
         if row.kind == "questions":
-            return question_job(self.model, self.tokenizer, row.line, row.context, row.questions, settings.eviction,
-                                settings.generation, tag=(row, settings))
-        return prompt_job(self.model, self.tokenizer, row.line, row.prompt, settings.eviction, settings.generation,
-                          tag=(row, settings))
+            return question_request(self.model, self.tokenizer, row.line, row.context, row.questions,
+                                    settings.eviction, settings.generation, tag=(row, settings))
+        return prompt_request(self.model, self.tokenizer, row.line, row.prompt, settings.eviction,
+                              settings.generation, tag=(row, settings))

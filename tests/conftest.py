@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
+from knorm_gen.scores import BLEND_WEIGHT
+
 
 def tiny_llama(layers: int = 3, seed: int = 0, layer_types=None, sliding_window=None, vocab: int = 97):
     """A small random llama in float32; outputs are deterministic for a seed."""
@@ -148,3 +150,39 @@ def kept_after(seen, span, budget, n_sink=4):
     start, end = span
     evictable = max(0, end - max(start, n_sink))
     return seen - evictable + min(evictable, budget - n_sink)
+
+
+# ---- numpy references of the anchored rules (test_scores.py, test_cache.py) ----------------
+
+
+def numpy_anchored_score(keep, keys, anchor):
+    """float64 reference of the anchored rules: keys (H, N, D), anchor (H, D)."""
+    norm = np.linalg.norm(keys, axis=-1)
+    cos = np.einsum("hnd,hd->hn", keys / norm[..., None], anchor / np.linalg.norm(anchor, axis=-1, keepdims=True))
+    return cos if keep == "keydiff" else cos + BLEND_WEIGHT * np.log(norm)
+
+
+def numpy_running_kept(keys, splits, budget, n_sink, recent, keep):
+    """Kept positions per head of one row fed in ``splits``, with the anchor the mean
+    unit key of everything seen up to and including each block; a block of more than
+    one token first re-scores the held keys against that anchor (attend first, evict
+    after: over budget, the ``budget`` best of held + new by (protected, score, position))."""
+    keys = keys[0].astype(np.float64)
+    heads, dim = keys.shape[0], keys.shape[2]
+    total, seen, held = np.zeros((heads, dim)), 0, [[] for _ in range(heads)]
+    for size in splits:
+        block = keys[:, seen : seen + size]
+        total += (block / np.linalg.norm(block, axis=-1, keepdims=True)).sum(axis=1)
+        anchor = total / (seen + size)
+        scores = numpy_anchored_score(keep, block, anchor)
+        seen += size
+        for h in range(heads):
+            if size > 1 and held[h]:
+                pos = [p for _, p in held[h]]
+                again = numpy_anchored_score(keep, keys[h : h + 1, pos], anchor[h : h + 1])[0]
+                held[h] = list(zip(again, pos))
+            held[h] += [(scores[h, i], seen - size + i) for i in range(size)]
+            if len(held[h]) > budget:
+                held[h].sort(key=lambda sp: (0, sp[1]) if sp[1] < n_sink or sp[1] >= seen - recent else (1, *sp))
+                held[h] = held[h][:budget]
+    return [sorted(p for _, p in h) for h in held]

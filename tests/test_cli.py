@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from knorm_gen.job import get_model
+from knorm_gen.models import get_model
 from knorm_gen.cli import batch_command
 
 TIMING = {"prefill_s", "decode_s", "prompt_tps", "generation_tps", "peak_memory_gb"}

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from knorm_gen import records as rec
 from knorm_gen.cli import batch_command, generate_command
-from knorm_gen.job import get_model
+from knorm_gen.models import get_model
 from knorm_gen.rows import content_digest
 
 REPO = Path(__file__).resolve().parents[1]

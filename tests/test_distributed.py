@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from knorm_gen.job import BatchOptions, BatchUsageError, run_batch
-from knorm_gen.distributed import Group, local_parts, merge_records, part_path, shard_of
+from knorm_gen.distributed import Group, local_parts, part_path, shard_of
+from knorm_gen.resume import merge_records
 from knorm_gen import records as rec
 from knorm_gen.rows import Row, RowError
 

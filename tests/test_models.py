@@ -251,3 +251,20 @@ def test_non_llama_gguf_rejected(tmp_path):
     mx.save_gguf(str(path), {"w": mx.zeros((2, 2))}, {"general.architecture": "gpt2"})
     with pytest.raises(ValueError, match="'gpt2'.*supported: llama, qwen2, gemma3"):
         load_model(str(path))
+
+
+def test_a_spec_looks_like_a_path_by_its_spelling_or_because_it_exists(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for spec in ("/m", "./m", "../m", ".m", "~/m", "a/b/c", "m.gguf", "M.GGUF"):
+        assert models.looks_like_path(spec), spec
+    for spec in ("owner/name", "gemma-3-270m", "m"):
+        assert not models.looks_like_path(spec), spec
+    (tmp_path / "m").mkdir()
+    assert models.looks_like_path("m")  # a folder of that name here
+
+
+def test_get_model_refuses_a_missing_path_without_loading(tmp_path):
+    with pytest.raises(models.ModelUsageError, match="the path .*nope.gguf does not exist"):
+        models.get_model(str(tmp_path / "nope.gguf"))
+    with pytest.raises(models.ModelUsageError, match="the path .*a/b/c does not exist"):
+        models.get_model(str(tmp_path / "a" / "b" / "c"))

@@ -6,24 +6,44 @@ import numpy as np
 import pytest
 
 from knorm_gen import L2NormKVCache
-from knorm_gen.scores import ANCHORED, BLEND_WEIGHT, SCORES, pack_ranks, rank_positions
+from knorm_gen.scores import ANCHORED, SCORES, pack_ranks, rank_positions
 
+from .conftest import numpy_anchored_score, numpy_running_kept
 from .test_cache import distinct_norm_keys, feed_keys, kept_positions
 
 T, BUDGET, N_SINK, RECENT = 48, 14, 3, 4
 
 
+def numpy_block_scores(keep, keys, seed):
+    """float64 reference of each rule for one block of keys ``(1, H, N, D)`` (lower is
+    kept first), written from the rules' definitions: ``low``/``high`` the squared key
+    norm, ``recent`` minus the position, ``keydiff``/``blend`` the cosine to the block's
+    mean unit key (plus ln|k| for blend); ``random`` the uniform draws mlx makes after
+    ``mx.random.seed(seed)`` (its only input)."""
+    keys = keys.astype(np.float64)
+    squared = (keys ** 2).sum(axis=-1)
+    if keep == "low":
+        return squared
+    if keep == "high":
+        return -squared
+    if keep == "recent":
+        return np.broadcast_to(-np.arange(keys.shape[2], dtype=np.float64), squared.shape)
+    if keep == "random":
+        mx.random.seed(seed)
+        return np.array(mx.random.uniform(shape=squared.shape))
+    if keep in ANCHORED:
+        anchor = (keys / np.linalg.norm(keys, axis=-1, keepdims=True)).mean(axis=2)[0]
+        return numpy_anchored_score(keep, keys[0], anchor)[None]
+    raise AssertionError(f"no numpy reference for the rule {keep!r}: write one here")
+
+
 @pytest.mark.parametrize("keep", list(SCORES))
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kept_set_is_the_rule_ranking(keep, seed):
-    # Independent reference: the rule's own scores for the block, ranked in numpy by
-    # (score, position) with sinks and the recent window protected.
+    # Independent reference: the rule's scores for the block computed in numpy from its
+    # definition, ranked by (score, position) with sinks and the recent window protected.
     keys = distinct_norm_keys(T, np.random.default_rng(seed), heads=2)
-    positions = mx.arange(T)[None, None]
-    unit = keys / np.linalg.norm(keys, axis=-1, keepdims=True)
-    anchor = mx.array(unit.mean(axis=2, keepdims=True))  # one block: the mean of all its unit keys
-    mx.random.seed(seed)
-    scores = np.array(SCORES[keep](mx.array(keys), positions, anchor))
+    scores = numpy_block_scores(keep, keys, seed)
     mx.random.seed(seed)
     cache = L2NormKVCache(BUDGET, N_SINK, RECENT, keep)
     feed_keys(cache, keys, [T])
@@ -68,39 +88,6 @@ def test_rank_packing_orders_like_the_floats():
     by_float = sorted(range(len(scores)), key=lambda i: (float(scores[i]) if scores[i] != 0 else 0.0, pos[i]))
     assert [float(scores[i]) for i in by_rank] == [float(scores[i]) for i in by_float]
     np.testing.assert_array_equal(np.array(rank_positions(mx.array(ranks))), pos)
-
-
-def numpy_anchored_score(keep, keys, anchor):
-    """float64 reference of the anchored rules: keys (H, N, D), anchor (H, D)."""
-    norm = np.linalg.norm(keys, axis=-1)
-    cos = np.einsum("hnd,hd->hn", keys / norm[..., None], anchor / np.linalg.norm(anchor, axis=-1, keepdims=True))
-    return cos if keep == "keydiff" else cos + BLEND_WEIGHT * np.log(norm)
-
-
-def numpy_running_kept(keys, splits, budget, n_sink, recent, keep):
-    """Kept positions per head of one row fed in ``splits``, with the anchor the mean
-    unit key of everything seen up to and including each block; a block of more than
-    one token first re-scores the held keys against that anchor (attend first, evict
-    after: over budget, the ``budget`` best of held + new by (protected, score, position))."""
-    keys = keys[0].astype(np.float64)
-    heads, dim = keys.shape[0], keys.shape[2]
-    total, seen, held = np.zeros((heads, dim)), 0, [[] for _ in range(heads)]
-    for size in splits:
-        block = keys[:, seen : seen + size]
-        total += (block / np.linalg.norm(block, axis=-1, keepdims=True)).sum(axis=1)
-        anchor = total / (seen + size)
-        scores = numpy_anchored_score(keep, block, anchor)
-        seen += size
-        for h in range(heads):
-            if size > 1 and held[h]:
-                pos = [p for _, p in held[h]]
-                again = numpy_anchored_score(keep, keys[h : h + 1, pos], anchor[h : h + 1])[0]
-                held[h] = list(zip(again, pos))
-            held[h] += [(scores[h, i], seen - size + i) for i in range(size)]
-            if len(held[h]) > budget:
-                held[h].sort(key=lambda sp: (0, sp[1]) if sp[1] < n_sink or sp[1] >= seen - recent else (1, *sp))
-                held[h] = held[h][:budget]
-    return [sorted(p for _, p in h) for h in held]
 
 
 @pytest.mark.parametrize("keep", sorted(ANCHORED))

@@ -1,9 +1,9 @@
 """Summarizing a corpus: plain documents with one job question, decoded together,
-each answer what answer_questions gives for that document alone; KV memory that
-cannot run out; the sampling options and the system prompt (issue 18)."""
+each answer what answer_questions gives for that document alone; the sampling
+options and the system prompt (issue 18). KV memory that cannot run out:
+tests/test_admission.py."""
 
 import json
-import re
 
 import pytest
 from click.testing import CliRunner
@@ -11,7 +11,6 @@ from click.testing import CliRunner
 from knorm_gen import answer_questions, generate_with_eviction
 from knorm_gen.cli import batch_command
 from knorm_gen.job import BatchOptions, run_batch
-from knorm_gen.memory import kv_memory
 from knorm_gen.models import load_model
 
 QUESTION = "Summarize the text above in one sentence."
@@ -117,64 +116,6 @@ def test_bad_rows_and_bad_options(tmp_path, tiny_model_dir):
         result = invoke(*args, "-o", tmp_path / "never.jsonl", *bad)
         assert result.exit_code == 2 and message in result.stderr, (bad, result.stderr)
         assert not (tmp_path / "never.jsonl").exists()
-
-
-def _need(tiny, text, budget=24, max_tokens=4):
-    """Independent count of one document's KV need: every layer's bytes per position
-    times what it holds (a compressed layer: its budget plus the pinned question and
-    answer; a layer that keeps every token: everything)."""
-    from knorm_gen import EvictionConfig
-    from knorm_gen.prompts import question_prompts
-
-    model, tok = tiny
-    _, ctx, (q,) = question_prompts(model, tok, text, [QUESTION], chat=None, question_separator="\n\n")
-    memory = kv_memory(model, EvictionConfig(budget=budget))
-    total = len(ctx) + len(q) + max_tokens
-    held = [min(len(ctx), cap) + len(q) + max_tokens if cap is not None else -(-total // 256) * 256
-            for _, cap in memory.layers]
-    return sum(row * n for (row, _), n in zip(memory.layers, held))
-
-
-def test_memory_limit_one_row_at_a_time_and_none_at_all(tmp_path, tiny, tiny_model_dir):
-    texts = TEXTS[:4]
-    inp = corpus(tmp_path, texts)
-    needs = [_need(tiny, t) for t in texts]
-    common = ["--model", tiny_model_dir, "--context-field", "text", "--question", QUESTION, "--budget", 24,
-              "--max-tokens", 4, "--batch-size", 8, "-q"]
-    free = tmp_path / "free.jsonl"
-    assert invoke(inp, "-o", free, *common).exit_code == 0
-    one = tmp_path / "one.jsonl"
-    limit = max(needs) + 1  # any single row fits, no two do
-    assert 2 * min(needs) > limit
-    summary_path = tmp_path / "one.summary.json"
-    result = invoke(inp, "-o", one, *common, "--max-kv-memory", limit, "--summary-json", summary_path)
-    assert result.exit_code == 0, result.stderr
-    summary = json.loads(summary_path.read_text())
-    assert summary["kv_limit_bytes"] == limit and 0 < summary["kv_peak_bytes"] <= limit
-    assert summary["kv_peak_bytes"] == max(needs)  # one row at a time: the peak is the largest row alone
-    assert "KV memory in flight: peak" in result.stderr
-    strip = lambda r: {k: v for k, v in r.items() if k not in ("prefill_s", "decode_s", "prompt_tps",
-                                                                  "generation_tps", "peak_memory_gb", "answers")}
-    answers = lambda r: [a["answer"] for a in r["answers"]]
-    for key, record in records(one).items():
-        assert strip(record) == strip(records(free)[key]) and answers(record) == answers(records(free)[key])
-    none = tmp_path / "none.jsonl"
-    result = invoke(inp, "-o", none, *common, "--max-kv-memory", min(needs) - 1)
-    assert result.exit_code == 1
-    for record in records(none).values():
-        assert record["error"]["type"] == "kv_memory_exceeded"
-        m = re.search(r"needs [\d.]+ MiB \((\d+) bytes\) of KV memory .* limit of [\d.]+ MiB \((\d+) bytes",
-                      record["error"]["message"])
-        assert m and int(m[2]) == min(needs) - 1 and int(m[1]) == needs[int(record["id"][1:])]
-
-
-def test_a_memory_limit_that_fits_nothing_at_batch_size_1(tmp_path, tiny_model_dir):
-    inp = corpus(tmp_path, TEXTS[:2])
-    out = tmp_path / "out.jsonl"
-    result = invoke(inp, "-o", out, "--model", tiny_model_dir, "--context-field", "text", "--question", QUESTION,
-                    "--budget", 24, "--max-tokens", 4, "--batch-size", 1, "--max-kv-memory", "1KiB", "-q")
-    assert result.exit_code == 1
-    assert [r["error"]["type"] for r in records(out).values()] == ["kv_memory_exceeded"] * 2
 
 
 def test_repetition_penalty_and_sampling_options_reach_the_sampler(tmp_path, tiny, tiny_model_dir):

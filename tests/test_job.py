@@ -1,13 +1,17 @@
-"""run_batch on the tiny random model: records and exit codes against the library's own calls."""
+"""run_batch on the tiny random model: records and exit codes against hand-built
+records (mlx_lm's own generation, greedy decoding written out here, the positions
+kept counted from the prompt's tokens) and the library's own calls."""
 
 import json
 
+import mlx.core as mx
+import mlx_lm
 import pytest
 
 from knorm_gen import (EvictionConfig, GenerationConfig, answer_questions, generate_batch_with_eviction,
-                       generate_with_eviction)
-from knorm_gen.job import BatchOptions, BatchUsageError, get_model, run_batch
-from knorm_gen.records import RECORD_FIELDS
+                       make_eviction_cache)
+from knorm_gen.job import BatchOptions, BatchUsageError, run_batch
+from knorm_gen.models import get_model
 
 from .conftest import document_span, kept_after
 
@@ -23,7 +27,7 @@ def options(**kw):
 
 @pytest.fixture(scope="module")
 def mt(tiny_model_dir):
-    MODEL["spec"] = str(tiny_model_dir)
+    MODEL["spec"], MODEL["dir"] = str(tiny_model_dir), tiny_model_dir
     return get_model(MODEL["spec"])
 
 
@@ -48,7 +52,47 @@ def run(tmp_path, rows, name="in.jsonl", **kw):
     return run_batch(inp, out, opts, progress=False, **kw), out
 
 
-def test_records_match_library_calls_and_share_one_shape(tmp_path, mt):
+# Every record's keys, in this order (README, "Output records"; tokens_pinned after tokens_kept).
+FIELDS = ("id", "completion", "answers", "finish_reason", "prompt_tokens", "generated_tokens", "tokens_seen",
+          "tokens_kept", "tokens_pinned", "compression_ratio", "kept_bytes", "full_bytes", "kv_ceiling_bytes",
+          "prefill_s", "decode_s", "prompt_tps", "generation_tps", "peak_memory_gb", "model", "config", "meta",
+          "fingerprint", "error")
+
+
+def position_bytes():
+    """KV bytes one position takes over all layers of the tiny model: keys and values, float32."""
+    config = json.loads((MODEL["dir"] / "config.json").read_text())
+    return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 4
+
+
+def greedy_by_hand(model, tok, ids, span, budget, max_tokens):
+    """The tokens a row generates, decoded here step by step: fresh eviction caches in
+    which only ``span`` is evictable, the prompt fed as mlx_lm feeds one (all but its
+    last token, then the last), then the most likely token each step until max_tokens
+    or an end-of-sequence token."""
+    caches = make_eviction_cache(model, EvictionConfig(budget=budget), (span,))
+    model(mx.array(ids[:-1])[None], cache=caches)
+    step, out = ids[-1:], []
+    while len(out) < max_tokens and (not out or out[-1] not in tok.eos_token_ids):
+        out.append(int(mx.argmax(model(mx.array(step)[None], cache=caches)[0, -1])))
+        step = out[-1:]
+    return out
+
+
+def expected_prompt_record(tok, ids, text, tokens, budget):
+    """The record of a prompt row whose only evictable tokens are ``text``'s, built by
+    hand: mlx_lm feeds every generated token back (the last one too), so the cache has
+    seen prompt + generated positions."""
+    stop = tokens[-1] in tok.eos_token_ids
+    seen = len(ids) + len(tokens)
+    kept = kept_after(seen, document_span(tok, ids, text), budget)
+    return {"completion": tok.decode(tokens[:-1] if stop else tokens), "answers": None,
+            "finish_reason": "stop" if stop else "length", "prompt_tokens": len(ids),
+            "generated_tokens": len(tokens), "tokens_seen": seen, "tokens_kept": kept,
+            "kept_bytes": kept * position_bytes(), "full_bytes": seen * position_bytes(), "error": None}
+
+
+def test_records_match_hand_built_records_and_share_one_shape(tmp_path, mt):
     model, tok = mt
     rows = [
         {"id": "p", "prompt": "Name a colour.", "source": "test"},
@@ -59,21 +103,22 @@ def test_records_match_library_calls_and_share_one_shape(tmp_path, mt):
     summary, out = run(tmp_path, rows)
     p, m, q, bad = read_records(out)
     for r in (p, m, q, bad):
-        assert tuple(r) == RECORD_FIELDS
-    ref = generate_with_eviction(model, tok, "Name a colour.", **OPTS)
-    assert p["completion"] == ref.text and p["answers"] is None
+        assert tuple(r) == FIELDS
     # only the user's text is evictable: the template and the answer are pinned
     ids = tok.apply_chat_template([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True)
-    kept = kept_after(ref.tokens_seen, document_span(tok, ids, "Name a colour."), 16)
-    assert {k: p[k] for k in ("prompt_tokens", "tokens_seen", "tokens_kept", "kept_bytes", "full_bytes")} == {
-        "prompt_tokens": ref.prompt_tokens, "tokens_seen": ref.tokens_seen, "tokens_kept": kept,
-        "kept_bytes": ref.kept_bytes, "full_bytes": ref.full_bytes}
+    tokens = greedy_by_hand(model, tok, ids, document_span(tok, ids, "Name a colour."), 16, 2)
+    want = expected_prompt_record(tok, ids, "Name a colour.", tokens, 16)
+    assert want["tokens_kept"] < want["tokens_seen"]  # this row does evict
+    assert {k: p[k] for k in want} == want
     assert p["compression_ratio"] == pytest.approx(p["full_bytes"] / p["kept_bytes"])
     assert p["meta"] == {"source": "test"} and p["model"] == MODEL["spec"] and p["error"] is None
     # the default bounds every layer with KeyDiff
     assert p["config"]["budget"] == 16 and p["config"]["max_tokens"] == 2 and p["config"]["skip_layers"] == []
     assert p["config"]["keep"] == "keydiff"
-    assert m["completion"] == generate_with_eviction(model, tok, [{"role": "user", "content": "Say hi."}], **OPTS).text
+    # "Say hi." is shorter than the budget: nothing is evicted, so mlx_lm's own generation is the reference
+    ids = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True)
+    assert m["tokens_kept"] == m["tokens_seen"] == len(ids) + m["generated_tokens"]
+    assert m["completion"] == mlx_lm.generate(model, tok, ids, max_tokens=2)
 
     refs = answer_questions(model, tok, "The cat is black. The dog is white.", ["What colour is the dog?", "And the cat?"], **OPTS)
     assert q["completion"] is None and [a["answer"] for a in q["answers"]] == [r.text for r in refs]
