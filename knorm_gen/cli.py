@@ -567,7 +567,7 @@ def tune_command(docs: Optional[str], model: str, context_field: str, budget: Op
     """
     import json
 
-    from .job import get_model
+    from .models import get_model
     from .tune import CANDIDATES, QUICK_ARMS, TUNE_ARMS, Doc, save_tuning, tune
 
     names = QUICK_ARMS if quick and not arms else tuple(a.strip() for a in (arms or ",".join(TUNE_ARMS)).split(","))

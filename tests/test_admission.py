@@ -1,6 +1,7 @@
 """Admission by KV memory: the arithmetic against hand counts, and ``--max-kv-memory``
 through the command line on the tiny random model (issue 18's corpus)."""
 
+import json
 import re
 
 import pytest
@@ -10,6 +11,7 @@ from knorm_gen.config import EvictionConfig
 from knorm_gen.memory import KVMemory, kv_memory
 from knorm_gen.models import load_model
 
+from .conftest import document_span
 from .test_summarize import QUESTION, TEXTS, corpus, invoke, records
 
 
@@ -67,8 +69,9 @@ def test_kv_limit_tracks_what_is_in_flight_and_its_peak(tiny):
 
 def _need(tiny, text, budget=24, max_tokens=4):
     """Independent count of one document's KV need: every layer's bytes per position
-    times what it holds (a compressed layer: its budget plus the pinned question and
-    answer; a layer that keeps every token: everything)."""
+    times what it holds (a compressed layer: its budget plus the pinned template before
+    the document, past the four sinks, and the question and answer; a layer that keeps
+    every token: everything)."""
     from knorm_gen import EvictionConfig
     from knorm_gen.prompts import question_prompts
 
@@ -76,7 +79,8 @@ def _need(tiny, text, budget=24, max_tokens=4):
     _, ctx, (q,) = question_prompts(model, tok, text, [QUESTION], chat=None, question_separator="\n\n")
     memory = kv_memory(model, EvictionConfig(budget=budget))
     total = len(ctx) + len(q) + max_tokens
-    held = [min(len(ctx), cap) + len(q) + max_tokens if cap is not None else -(-total // 256) * 256
+    head = max(document_span(tok, ctx, text)[0] - 4, 0)
+    held = [min(len(ctx) - head, cap) + head + len(q) + max_tokens if cap is not None else -(-total // 256) * 256
             for _, cap in memory.layers]
     return sum(row * n for (row, _), n in zip(memory.layers, held))
 
