@@ -35,6 +35,7 @@ from .config import (
     EvictionConfig,
     GenerationConfig,
     RowsConfig,
+    LAYOUT_FIELDS,
     PRESETS,
     make_configs,
 )
@@ -281,6 +282,14 @@ def load_job(path: str) -> dict:
     return flat
 
 
+def auto_layout(settings: dict) -> Optional[tuple]:
+    """With ``--preset auto``, the layout fields given beside it (they win over the
+    saved tuning); None without it."""
+    if settings.get("preset") != "auto":
+        return None
+    return tuple(k for k in LAYOUT_FIELDS if settings.get(k) is not None)
+
+
 def build_configs(settings: dict) -> tuple[EvictionConfig, GenerationConfig]:
     """The two configs from flat settings (missing fields take their defaults)."""
     return make_configs(preset=settings.get("preset"), **{k: v for k, v in settings.items() if k in CONFIG_FIELDS})
@@ -375,7 +384,7 @@ def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optio
     except ValueError as e:
         raise UsageFailure(str(e)) from None
     options = BatchOptions(model=settings["model"], eviction=eviction, generation=generation,
-                           batch_size=settings["batch_size"], overwrite=overwrite,
+                           auto_layout=auto_layout(settings), batch_size=settings["batch_size"], overwrite=overwrite,
                            accept_old_records=accept_old_records, limit=settings.get("limit"),
                            stats_log=settings.get("stats_log"), summary_json=settings.get("summary_json"),
                            rows=rows, max_kv_memory=max_kv,
@@ -482,6 +491,11 @@ def generate_command(ctx: click.Context, prompt: str, model: str, preset: Option
     try:
         loaded, tokenizer = get_model(model, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
         tokenizer = prepare_tokenizer(tokenizer, options)
+        if preset == "auto":
+            from .tune import auto_config
+
+            eviction, note = auto_config(loaded, eviction, auto_layout({**opts, "preset": preset}))
+            click.echo(f"knorm-generate: {note}", err=True)
         resolved = eviction.for_model(loaded)
     except (BatchUsageError, ValueError) as e:
         raise UsageFailure(str(e)) from None

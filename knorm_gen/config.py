@@ -524,13 +524,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     "paper": dict(keep="low", skip_layers=(0, 1), early_factor=None, layer_budgets=None),
     "retrieval": dict(keep="low", skip_layers=None, early_factor=None, layer_budgets=None),
     "summarize": dict(keep="keydiff", skip_layers=(), early_factor=None, layer_budgets=None),
+    "auto": {},  # the model's saved tuning: resolved once the model is loaded (knorm_gen.tune.auto_config)
 }
+LAYOUT_FIELDS = ("keep", "coverage", "skip_layers", "layer_budgets", "early_factor")
+"""The fields a layout (a preset, a saved tuning) sets; the budget and the rest are the run's."""
 """Named eviction layouts (``--preset``, ``preset=``); the fields given beside a
 preset override it. ``paper``: the paper's rule and layers (keep-low, layers 0-1
 uncompressed, so their memory grows with the input). ``retrieval``: keep-low with
 the first 30% of the full-attention layers uncompressed (the default before 0.2:
 the best at pass keys on the embedded model, memory grows with the input).
-``summarize``: KeyDiff in every layer, every layer bounded (README, Results)."""
+``summarize``: KeyDiff in every layer, every layer bounded (the default of 0.2).
+``auto``: the layout ``knorm-tune`` saved for the model (the default without one)."""
 
 
 def make_configs(eviction: Optional[EvictionConfig] = None, generation: Optional[GenerationConfig] = None,

@@ -5,13 +5,14 @@ context compressed once for several questions."""
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
 
 from .cache import make_eviction_cache
-from .config import EvictionConfig, GenerationConfig, ResolvedEviction, make_configs, settings_dict
+from .config import LAYOUT_FIELDS, EvictionConfig, GenerationConfig, ResolvedEviction, make_configs, settings_dict
 from .engine import DEFAULT_BATCH_SIZE, Request, make_row_processors, make_row_sampler, run_jobs
 from .prompts import Prompt, as_tokenizer, has_chat_template, check_length, context_spans, encode_with_spans, question_prompts
 from .results import GenerationResult
@@ -35,6 +36,12 @@ def resolve_settings(model: Any, eviction: Eviction, generation: Optional[Genera
     if isinstance(eviction, ResolvedEviction):
         raise TypeError("eviction settings given as keywords need an EvictionConfig, not a resolved one")
     eviction, generation = make_configs(eviction, generation, **settings)
+    if settings.get("preset") == "auto":  # the model's saved tuning (knorm-tune); the default without one
+        from .tune import auto_config
+
+        eviction, note = auto_config(model, eviction, tuple(k for k in LAYOUT_FIELDS if k in settings))
+        if note.startswith("preset auto: no saved tuning"):
+            warnings.warn(note, stacklevel=3)
     return eviction.for_model(model), generation
 
 

@@ -62,6 +62,7 @@ from .models import ModelUsageError, get_model, with_run_options
 from .resume import Outputs, ResumePlan, Wanted, merge_group, plan_run
 from .rows import Row, read_rows
 from .runner import RowRunner, RowSettings
+from .tune import auto_config
 from .sink import FIRST_ERRORS, Interrupted, Signals, Sink, row_name, stderr_log
 
 __all__ = [
@@ -104,6 +105,9 @@ class BatchOptions:
     adapter_path: Optional[str] = None
     trust_remote_code: bool = False
     verbose: bool = False  # one line per finished row on stderr
+    # --preset auto: the layout fields the user gave beside it (None: no auto preset); the
+    # rest of the layout comes from the model's saved tuning once the model is loaded
+    auto_layout: Optional[tuple] = None
 
     def run_config(self) -> dict:
         """What the run options that change outputs add to every record's ``config`` (and
@@ -357,6 +361,7 @@ class _Prepared:
     total: int = 0  # rows this process will see
     limit: Optional[int] = None
     items: int = 0  # rows and bad lines in the whole input (0: an empty input)
+    layout_note: Optional[str] = None  # --preset auto: which layout runs and where it came from
 
 
 def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokenizer, progress, log, stdout,
@@ -389,6 +394,8 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
                                kv_ceiling_bytes=memory.ceiling_bytes,
                                kv_growth_bytes_per_token=memory.growth_bytes_per_token, kv_memory=memory.describe())
         if progress:
+            if ready.layout_note:
+                log(ready.layout_note)
             log(memory.describe())  # before a long job: is this configuration bounded?
         if ready.items == 0 and options.limit != 0 and group.rank == 0:
             name = "stdin" if files.input == "-" else files.input
@@ -427,8 +434,11 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
         if model is None:
             model, tokenizer = _load(options)
         tokenizer = prepare_tokenizer(tokenizer, options)
+        eviction, note = options.eviction, None
+        if options.auto_layout is not None:
+            eviction, note = auto_config(model, options.eviction, options.auto_layout)
         try:
-            runner = _Runner(model, tokenizer, model_spec=options.model, eviction=options.eviction,
+            runner = _Runner(model, tokenizer, model_spec=options.model, eviction=eviction,
                              generation=options.generation, batch_size=options.batch_size, rows=options.rows,
                              kv_limit_bytes=options.max_kv_memory or default_kv_limit(),
                              run_config=options.run_config())
@@ -436,7 +446,7 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
             raise BatchUsageError(str(e)) from None
         memory = kv_memory(model, runner.base.eviction)
         wanted, total, items = _scan_rows(stream, runner, options.limit, group)
-        ready = _Prepared(stream, locks, runner, memory, wanted, total, options.limit, items)
+        ready = _Prepared(stream, locks, runner, memory, wanted, total, options.limit, items, note)
     except KeyboardInterrupt:
         error = Interrupted()
     except BaseException as e:  # noqa: BLE001 - in a group, every rank must hear of it (below)

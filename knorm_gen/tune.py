@@ -415,9 +415,10 @@ def tuned_config(model: Any, budget: Optional[int] = None) -> EvictionConfig:
     return EvictionConfig(**{**saved["layout"], "budget": budget if budget is not None else saved["budget"]})
 
 
-def auto_config(model: Any, eviction: EvictionConfig) -> tuple[EvictionConfig, str]:
-    """``--preset auto``: the saved tuning's layout at ``eviction``'s budget, or the
-    default layout; and one line saying which and why. A tuning made at another
+def auto_config(model: Any, eviction: EvictionConfig, given: Sequence[str] = ()) -> tuple[EvictionConfig, str]:
+    """``--preset auto``: the saved tuning's layout at ``eviction``'s budget (the
+    layout fields named in ``given``, set by the user beside the preset, stay), or
+    the default layout; and one line saying which and why. A tuning made at another
     budget ratio is still this model's best measured layout, so it is used; the line
     says at which ratio it was measured."""
     from dataclasses import replace
@@ -426,7 +427,7 @@ def auto_config(model: Any, eviction: EvictionConfig) -> tuple[EvictionConfig, s
     if saved is None:
         return eviction, ("preset auto: no saved tuning for this model, so the default layout runs (keep="
                           f"{eviction.keep}); run `knorm-tune --model ...` to measure one")
-    fields = {k: v for k, v in saved["layout"].items() if k != "budget"}
+    fields = {k: v for k, v in saved["layout"].items() if k != "budget" and k not in given}
     if "skip_layers" in fields and fields["skip_layers"] is not None:
         fields["skip_layers"] = tuple(fields["skip_layers"])
     return replace(eviction, **fields), (f"preset auto: {saved['chosen']} ({_describe(fields)}), tuned for job "

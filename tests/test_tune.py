@@ -1,0 +1,129 @@
+"""knorm-tune and --preset auto: the choice against hand-built tables, the saved
+tuning per model, bad input refused before any measurement, and the layout a run
+then uses read back from its records."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from knorm_gen.cli import batch_command, tune_command
+from knorm_gen.config import EvictionConfig
+from knorm_gen.models import load_model
+from knorm_gen.tune import (CANDIDATES, NoTuningError, choose, load_tuning, model_identity, save_tuning, summarize,
+                            tuned_config, with_needle)
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KNORM_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def row(arm, recovered, keys, full_keys=10, ppl=1.1):
+    return arm, dict(recovered=recovered, fidelity_docs=4, wins_vs_random=0, keys=keys, keys_total=10,
+                     keys_of_full=keys, full_keys=full_keys, ppl_ratio=ppl)
+
+
+ARMS = {a: CANDIDATES[a] for a in ("keydiff", "low_cov25", "retrieval", "random")}
+
+
+def test_choose_takes_the_layout_that_meets_both_targets():
+    table = dict([row("full", 1.0, 10), row("random", 0.60, 0), row("keydiff", 0.75, 5), row("low_cov25", 0.62, 9),
+                  row("retrieval", 0.70, 10)])
+    # keydiff misses the keys; retrieval meets both but is unbounded; low_cov25 meets both, bounded
+    assert choose(table, "both", ARMS)[0] == "low_cov25"
+    assert choose(table, "summarize", ARMS)[0] == "keydiff"
+    name, why = choose(dict([row("full", 1, 10), row("random", 0.6, 0), row("keydiff", 0.5, 2),
+                             row("low_cov25", 0.55, 3), row("retrieval", 0.4, 4)]), "both", ARMS)
+    assert "no candidate met every target" in why and name in ARMS
+
+
+def test_summarize_counts_keys_only_where_the_full_cache_found_them():
+    rows = [dict(task="passkey", doc="d", arm="full", mode="ctq", key="1", ok=True),
+            dict(task="passkey", doc="d", arm="low", mode="ctq", key="1", ok=True),
+            dict(task="passkey", doc="e", arm="full", mode="ctq", key="2", ok=False),
+            dict(task="passkey", doc="e", arm="low", mode="ctq", key="2", ok=True),
+            dict(task="fidelity", doc="d", arm="full", nll=1.0), dict(task="fidelity", doc="d", arm="none", nll=3.0),
+            dict(task="fidelity", doc="d", arm="low", nll=1.5), dict(task="fidelity", doc="d", arm="random", nll=2.0)]
+    table = summarize(rows, ["full", "low", "random"])
+    assert table["low"]["keys"] == 2 and table["low"]["keys_of_full"] == 1 and table["low"]["full_keys"] == 1
+    assert table["low"]["recovered"] == pytest.approx(0.75) and table["low"]["wins_vs_random"] == 1
+
+
+def test_needle_lands_at_a_sentence_boundary():
+    text = "One. Two three. Four five six. Seven. " * 10
+    out = with_needle(text, 0.5, "12345")
+    at = out.index(" The pass key is 12345.")
+    assert out[at - 2 : at] == ". " or out[at - 1] == "."
+    assert out.replace(" The pass key is 12345. Remember it. 12345 is the pass key. ", "") == text
+
+
+def test_no_tuning_names_the_command_and_a_saved_one_is_used(tiny_model_dir, tmp_path):
+    model, _ = load_model(str(tiny_model_dir))
+    with pytest.raises(NoTuningError, match="knorm-tune --model"):
+        tuned_config(model)
+    save_tuning(model, dict(chosen="low_cov25", layout=CANDIDATES["low_cov25"], job="both", ratio=4.0, budget=96,
+                            docs=["a"], why="test", model_identity=model_identity(model)))
+    assert tuned_config(model) == EvictionConfig(budget=96, keep="low", coverage=0.25, skip_layers=())
+    assert tuned_config(model, budget=40).budget == 40
+    assert load_tuning(model)["chosen"] == "low_cov25"
+
+
+def test_preset_auto_uses_the_saved_tuning_and_says_so(tiny_model_dir, tmp_path):
+    model, _ = load_model(str(tiny_model_dir))
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"id": 1, "text": "The river runs to the sea. " * 8}) + "\n")
+    common = [str(docs), "--model", str(tiny_model_dir), "--context-field", "text", "--question", "Sum up.",
+              "--budget", "24", "--max-tokens", "3", "--preset", "auto"]
+    out = tmp_path / "a.jsonl"
+    result = CliRunner().invoke(batch_command, [*common, "-o", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "no saved tuning for this model" in result.stderr
+    default = EvictionConfig()
+    assert json.loads(out.read_text())["config"]["keep"] == default.keep
+    save_tuning(model, dict(chosen="keydiff_cov25", layout=CANDIDATES["keydiff_cov25"], job="both", ratio=4.0,
+                            budget=24, docs=["a"], why="test", model_identity=model_identity(model)))
+    out = tmp_path / "b.jsonl"
+    result = CliRunner().invoke(batch_command, [*common, "-o", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "preset auto: keydiff_cov25" in result.stderr
+    config = json.loads(out.read_text())["config"]
+    assert config["keep"] == "keydiff" and config["coverage"] == 0.25 and config["budget"] == 24
+    # a layout field given beside the preset wins over the tuning
+    out = tmp_path / "c.jsonl"
+    result = CliRunner().invoke(batch_command, [*common, "--keep", "low", "-o", str(out)], catch_exceptions=False)
+    config = json.loads(out.read_text())["config"]
+    assert config["keep"] == "low" and config["coverage"] == 0.25
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--job", "translate"], "translate"),
+    (["--budget", "4000"], "twice the budget"),
+    (["--arms", "low,nonsense"], "unknown candidate"),
+])
+def test_bad_tuning_input_is_refused_before_any_measurement(tiny_model_dir, tmp_path, args, message):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"id": 1, "text": "Ships sail. " * 300}) + "\n")
+    result = CliRunner().invoke(tune_command, [str(docs), "--model", str(tiny_model_dir), *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_documents_without_the_field_name_it(tiny_model_dir, tmp_path):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"id": 1, "body": "Ships sail. " * 300}) + "\n")
+    result = CliRunner().invoke(tune_command, [str(docs), "--model", str(tiny_model_dir)])
+    assert result.exit_code == 2 and "--context-field" in result.output and "body" in result.output
+
+
+def test_a_quick_tuning_on_the_tiny_model_saves_its_choice(tiny_model_dir, tmp_path):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"id": 1, "text": "The harbor keeps a log of ships and storms. " * 40}) + "\n")
+    out = tmp_path / "tune.json"
+    result = CliRunner().invoke(tune_command, [str(docs), "--model", str(tiny_model_dir), "--quick", "--doc-tokens",
+                                               "512", "--out", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())
+    assert record["chosen"] in CANDIDATES and "<- chosen" in result.output
+    assert set(record["table"]) == {"full", "keydiff", "low_cov25", "random"}
+    model, _ = load_model(str(tiny_model_dir))
+    assert load_tuning(model)["chosen"] == record["chosen"]
