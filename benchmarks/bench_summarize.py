@@ -36,13 +36,14 @@ import mlx.core as mx
 from mlx_lm.generate import batch_generate
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from knorm_gen import EvictionConfig, GenerationConfig, L2NormKVCache, cache_stats, make_eviction_cache
-from knorm_gen.cache import copy_caches
+from knorm_gen import EvictionConfig, GenerationConfig, cache_stats, make_eviction_cache
+from knorm_gen.cache import copy_caches, pin_caches
+from knorm_gen.engine import prefill
 from knorm_gen.config import RowsConfig
 from knorm_gen.job import BatchOptions, run_batch
 from knorm_gen.mlx_compat import full_attention_layers
 from knorm_gen.models import load_model
-from knorm_gen.prompts import encode_prompt, split_question_prompts
+from knorm_gen.prompts import context_spans, encode_prompt, split_question_prompts
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -121,12 +122,6 @@ def _rotating(model, size: int) -> list:
 # ---- fidelity -------------------------------------------------------------------------------
 
 
-def _prefill(model, ids, caches, step=512):
-    for s in range(0, len(ids), step):
-        model(mx.array(ids[s : s + step])[None], cache=caches)
-        mx.eval([c.state for c in caches])
-    return caches
-
 
 def _nll(model, caches, feed: list[int], n_answer: int) -> float:
     """Mean NLL of the last ``n_answer`` tokens of ``feed`` (fed as one block after ``caches``)."""
@@ -142,22 +137,20 @@ def fidelity(model, tok, doc, budget: int, max_tokens: int) -> dict:
     from mlx_lm.generate import stream_generate
 
     context, (question,) = split_question_prompts(tok, doc.text, [QUESTION], chat=True)
-    full = _prefill(model, context, make_prompt_cache(model))
+    full = prefill(model, context, make_prompt_cache(model))
     reference = [int(r.token) for r in stream_generate(model, tok, mx.array(question), max_tokens=max_tokens,
                                                        prompt_cache=copy_caches(full))]
     ref = reference
     out = {"name": doc.name, "context_tokens": len(context), "reference_tokens": len(ref),
            "reference": tok.decode(ref)}
     out["full"] = _nll(model, full, question + ref, len(ref))
-    ours = _prefill(model, context, make_eviction_cache(model, EvictionConfig(budget=budget)))
-    for c in ours:
-        if isinstance(c, L2NormKVCache):
-            c.pin()
+    spans = context_spans(tok, doc.text, context, chat=True)  # the template before the document pinned, as the product
+    ours = pin_caches(prefill(model, context, make_eviction_cache(model, EvictionConfig(budget=budget), spans)))
     out["ours_compression"] = cache_stats(ours).compression_ratio
     out["ours"] = _nll(model, ours, question + ref, len(ref))
     first = encode_prompt(tok, INSTRUCTION_FIRST + doc.text)  # mlx arms: instruction first, then the document
-    out["mlx_full"] = _nll(model, _prefill(model, first[:-1], make_prompt_cache(model)), first[-1:] + ref, len(ref))
-    out["mlx_kv"] = _nll(model, _prefill(model, first[:-1], _rotating(model, budget)), first[-1:] + ref, len(ref))
+    out["mlx_full"] = _nll(model, prefill(model, first[:-1], make_prompt_cache(model)), first[-1:] + ref, len(ref))
+    out["mlx_kv"] = _nll(model, prefill(model, first[:-1], _rotating(model, budget)), first[-1:] + ref, len(ref))
     none = encode_prompt(tok, QUESTION)
     out["none"] = _nll(model, make_prompt_cache(model), none + ref, len(ref))
     return out

@@ -66,7 +66,8 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from knorm_gen import EvictionConfig, L2NormKVCache, cache_stats, make_eviction_cache
 from knorm_gen import answer_questions
-from knorm_gen.cache import copy_caches
+from knorm_gen.cache import copy_caches, pin_caches
+from knorm_gen.engine import prefill
 from knorm_gen.config import early_layers as default_skip_layers
 from knorm_gen.mlx_compat import full_attention_layers
 from knorm_gen.corpus import pydoc_sections, text_of_tokens
@@ -148,11 +149,6 @@ def compress_from_full(arms: Arms, full: list, arm: str, budget: int) -> list:
     return out
 
 
-def _prefill(model, ids: list[int], caches: list, step: int = 512) -> list:
-    for s in range(0, len(ids), step):
-        model(mx.array(ids[s : s + step])[None], cache=caches)
-        mx.eval([c.state for c in caches])
-    return caches
 
 
 def _answer(model, tok, ids: list[int], caches: list, max_tokens: int = 8) -> str:
@@ -255,7 +251,7 @@ def task_passkey(model, tok, arms: Arms, lengths, depths, n_keys, ratios, arm_na
                 prefix_ids, (q_ids,) = split_question_prompts(tok, context, [QUESTION], chat=False)
                 n_ctx = len(prefix_ids)
                 tic = time.perf_counter()
-                full_ctx = _prefill(model, prefix_ids, arms.caches("full", 0))
+                full_ctx = prefill(model, prefix_ids, arms.caches("full", 0))
                 full_all = copy_caches(full_ctx)
                 model(mx.array(q_ids[:-1])[None], cache=full_all)
                 mx.eval([c.state for c in full_all])
@@ -274,9 +270,7 @@ def task_passkey(model, tok, arms: Arms, lengths, depths, n_keys, ratios, arm_na
                         if arm == "full":
                             continue
                         caches = compress_from_full(arms, full_ctx, arm, budget)
-                        for c in caches:
-                            if isinstance(c, L2NormKVCache):
-                                c.pin()
+                        pin_caches(caches)
                         record(arm, budget, ratio, "ctq", _answer(model, tok, q_ids, caches),
                                cache_stats(caches).compression_ratio)
                         caches = compress_from_full(arms, full_all, arm, budget)
@@ -341,7 +335,7 @@ def task_summary(model, tok, arms: Arms, n_docs, max_doc_tokens, budgets, arm_na
         prompt = [{"role": "user", "content": "Summarize the following documentation in three sentences.\n\n"
                    + tok.decode(ids)}]
         prompt_ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        full = _prefill(model, prompt_ids[:-1], arms.caches("full", 0))
+        full = prefill(model, prompt_ids[:-1], arms.caches("full", 0))
         ref = _answer(model, tok, prompt_ids[-1:], copy_caches(full), max_tokens)
         rows.append(dict(doc=name, tokens=len(prompt_ids), arm="full", budget=None, rouge_l=1.0, compression=1.0,
                          summary=ref))
@@ -392,12 +386,6 @@ def cut_repetition(ids: list[int], n: int = 8) -> list[int]:
     return ids
 
 
-def _pinned_copy(caches: list) -> list:
-    out = copy_caches(caches)
-    for c in out:
-        if isinstance(c, L2NormKVCache):
-            c.pin()
-    return out
 
 
 def answer_nll(model, caches: list, prompt_ids: list[int], answer_ids: list[int]) -> float:
@@ -439,7 +427,7 @@ def task_fidelity(model, tok, arms: Arms, docs: list, ratios, arm_names, max_tok
         prefix, (q_ids,) = split_question_prompts(tok, doc.text, [FIDELITY_QUESTION], chat=chat)
         n_ctx = len(prefix)
         tic = time.perf_counter()
-        full = _prefill(model, prefix, arms.caches("full", 0), step)
+        full = prefill(model, prefix, arms.caches("full", 0), step)
         prefill_s = time.perf_counter() - tic
         tic = time.perf_counter()
         refs = {"self": cut_repetition(_greedy_ids(model, tok, q_ids, copy_caches(full), max_tokens, penalty))}
@@ -467,9 +455,9 @@ def task_fidelity(model, tok, arms: Arms, docs: list, ratios, arm_names, max_tok
                     continue
                 mx.random.seed(_doc_seed(doc.name))
                 tic = time.perf_counter()
-                caches = _prefill(model, prefix, arms.caches(arm, budget), step)
+                caches = prefill(model, prefix, arms.caches(arm, budget), step)
                 compression = cache_stats(caches).compression_ratio
-                nlls = {r: answer_nll(model, _pinned_copy(caches), q_ids, a) for r, a in refs.items()}
+                nlls = {r: answer_nll(model, pin_caches(copy_caches(caches)), q_ids, a) for r, a in refs.items()}
                 record(arm, ratio, budget, nlls, compression, time.perf_counter() - tic)
         own = {(r["arm"], r["ratio"], r["reference"]): r["nll"] for r in rows if r["doc"] == doc.name}
         log(f"fidelity {doc.name} ({n_ctx} tok, prefill {prefill_s:.0f}s, summary {generate_s:.0f}s): "
