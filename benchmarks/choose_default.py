@@ -2,6 +2,7 @@
 
     python benchmarks/choose_default.py --model default --split tune            # every candidate
     python benchmarks/choose_default.py --model default --split heldout --arms low_cov25,keydiff,random
+    python benchmarks/choose_default.py --report results/choose_default-*.json   # markdown tables
 
 The documents of ``benchmarks/documents.py`` are split by position: even ones are the
 tuning split, odd ones the held-out split; fillers are split the same way (tune:
@@ -28,7 +29,40 @@ RESULTS = Path(__file__).parent / "results"
 SPLIT_FILLERS = {"tune": ("grass", "ledger"), "heldout": ("harbor", "recipe")}
 
 
+def report(paths) -> str:
+    """One markdown table per results file: recovered share, paired wins against random,
+    pass keys found of the full cache's, perplexity ratio to the full cache."""
+    out = []
+    for path in paths:
+        d = json.loads(Path(path).read_text())
+        table = summarize(d["rows"], ["full", *d["arms"]])
+        out.append(f"**{d['model']}, {d['split']} split** ({', '.join(d['docs'])}; fillers "
+                   f"{', '.join(d['fillers'])}; {d['ratio']:g}x)\n")
+        out.append("| layout | fidelity (recovered) | wins vs random | pass keys (of the full cache's) | in documents "
+                   "| in filler | ppl vs full |")
+        out.append("|---|---|---|---|---|---|---|")
+        found = {(r["doc"], r["key"]) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == "full" and r["ok"]}
+        for arm, v in table.items():
+            rec = "-" if v["recovered"] is None else f"{v['recovered']:.1%}"
+            ppl = "-" if v["ppl_ratio"] is None else f"{v['ppl_ratio']:.3f}x"
+            keys = f"{v['keys_of_full']}/{v['full_keys']}" if arm != "full" else f"{v['full_keys']}/{v['keys_total']}"
+            wins = f"{v['wins_vs_random']}/{v['fidelity_docs']}" if arm not in ("full", "random") else "-"
+            split = []
+            for filler in (False, True):
+                cases = {(r["doc"], r["key"]) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == "full"
+                         and r["doc"].startswith("filler:") == filler}
+                ok = {(r["doc"], r["key"]) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == arm
+                      and r["ok"] and r["doc"].startswith("filler:") == filler}
+                split.append(f"{len(ok & found)}/{len(cases & found)}" if arm != "full" else f"{len(ok)}/{len(cases)}")
+            out.append(f"| {arm} | {rec} | {wins} | {keys} | {split[0]} | {split[1]} | {ppl} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv=None) -> dict:
+    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--report":
+        print(report(sys.argv[2:]))
+        return {}
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--split", choices=("tune", "heldout"), default="tune")

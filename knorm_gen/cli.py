@@ -560,7 +560,7 @@ def stats_line(result: Any) -> str:
                                                                   "paper", "random")))
 @click.option("--docs-limit", type=click.IntRange(min=1), default=4, show_default=True,
               help="Documents measured (the first ones of DOCS, or of the shipped corpus).")
-@click.option("--doc-tokens", type=click.IntRange(min=256), default=2048, show_default=True,
+@click.option("--doc-tokens", type=click.IntRange(min=256), default=1536, show_default=True,
               help="Each document is cut to its first N tokens.")
 @click.option("--quick", is_flag=True, help="One document of 1024 tokens and three candidates (a few minutes).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Also write the full result as JSON here.")
@@ -612,7 +612,7 @@ def tune_command(docs: Optional[str], model: str, context_field: str, budget: Op
                f"{sum(lengths) // len(lengths)} tokens at {ratio:.1f}x, job {job_kind}", err=True)
     try:
         record = tune(loaded, tokenizer, documents, ratio=ratio, job=job_kind, arms=names, doc_tokens=doc_tokens,
-                      quick=quick, log=lambda m: None)
+                      log=lambda m: None)
     except KeyboardInterrupt:
         click.echo("knorm-tune: interrupted", err=True)
         sys.exit(EXIT_INTERRUPTED)

@@ -1,0 +1,72 @@
+"""What is never evicted, measured: the share of the instruction tokens each layer
+still holds after prefill, and a code written only in the system prompt, asked for
+after a long document, with the full cache and at 4x and 8x of the prompt's tokens.
+
+    python benchmarks/bench_pinning.py [--docs 3] [--out results/pinning.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import knorm_gen  # noqa: F401  (BLAS preload first)
+from knorm_gen import EvictionConfig, answer_questions, load_model, make_eviction_cache
+from knorm_gen.cache import EvictionKVCache
+from knorm_gen.corpus import pydoc_sections
+from knorm_gen.engine import prefill
+from knorm_gen.prompts import context_spans, split_question_prompts
+
+SYSTEM = "You are a careful technical writer. The project code name is {code}. Answer in one line."
+QUESTION = "What is the project code name?"
+CODES = ("Bluefin", "Marigold", "Copperhead", "Nightjar", "Saltmarsh", "Tamarind")
+
+
+def held_share(model, tok, text: str, budget: int) -> tuple[float, float]:
+    """Mean and worst share, over layers and heads, of the positions before the document that are held."""
+    system = SYSTEM.format(code="Bluefin")
+    prefix, _ = split_question_prompts(tok, text, [QUESTION], chat=True, system_prompt=system)
+    spans = context_spans(tok, text, prefix, chat=True, system_prompt=system)
+    head = set(range(spans[0][0]))
+    caches = prefill(model, prefix, make_eviction_cache(model, EvictionConfig(budget=budget), spans))
+    shares = []
+    for c in caches:
+        if isinstance(c, EvictionKVCache):
+            _, _, pos = c.ordered_state()
+            for h in pos.tolist()[0]:
+                shares.append(len(head & set(h)) / len(head))
+    return sum(shares) / len(shares), min(shares)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--docs", type=int, default=3)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pinning.json"))
+    args = ap.parse_args(argv)
+    model, tok = load_model()
+    sections = [text for name, text in pydoc_sections() if 6000 <= len(text) <= 12000][: args.docs]
+    rng = random.Random(0)
+    rows = []
+    for i, text in enumerate(sections):
+        mean, worst = held_share(model, tok, text, 128)
+        code = CODES[i % len(CODES)]
+        found = {}
+        for ratio in (None, 4, 8):
+            system = SYSTEM.format(code=code)
+            n = len(split_question_prompts(tok, text, [QUESTION], chat=True, system_prompt=system)[0])
+            budget = None if ratio is None else n // ratio
+            (r,) = answer_questions(model, tok, text, [QUESTION], budget=budget, max_tokens=16, system_prompt=system)
+            found["full" if ratio is None else f"{ratio}x"] = code in r.text
+            rows.append(dict(doc=i, tokens=n, ratio=ratio, code=code, answer=r.text, found=code in r.text,
+                             kept_bytes=r.kept_bytes, kv_ceiling_bytes=r.kv_ceiling_bytes))
+        print(f"doc {i} ({rows[-1]['tokens']} tokens): instruction tokens held at budget 128: mean {mean:.0%}, "
+              f"worst layer/head {worst:.0%}; code found {found}", flush=True)
+        rows.append(dict(doc=i, held_mean=mean, held_worst=worst))
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+    return {"rows": rows}
+
+
+if __name__ == "__main__":
+    main()
