@@ -67,11 +67,11 @@ def make_arm(model, arm: str, budget: int):
         return [RotatingKVCache(max_size=budget, keep=4) if i in full else c
                 for i, c in enumerate(make_prompt_cache(model))]
     configs = {  # every full-attention layer bounded, like the rotating arm, unless the arm says otherwise
-        "l2norm": EvictionConfig(budget=budget, keep="low", skip_layers=()),
-        "keydiff": EvictionConfig(budget=budget, keep="keydiff", skip_layers=()),
-        "blend": EvictionConfig(budget=budget, keep="blend", skip_layers=()),
-        "skip30": EvictionConfig(budget=budget, keep="low", skip_layers=early_layers(len(model.layers), full)),
-        "paper": EvictionConfig(budget=budget, keep="low", skip_layers=(0, 1)),
+        "l2norm": EvictionConfig(budget=budget, keep="low", skip_layers=(), coverage=0.0),
+        "keydiff": EvictionConfig(budget=budget, keep="keydiff", skip_layers=(), coverage=0.0),
+        "blend": EvictionConfig(budget=budget, keep="blend", skip_layers=(), coverage=0.0),
+        "skip30": EvictionConfig(budget=budget, keep="low", skip_layers=early_layers(len(model.layers), full), coverage=0.0),
+        "paper": EvictionConfig(budget=budget, keep="low", skip_layers=(0, 1), coverage=0.0),
         "l2norm_default": EvictionConfig(budget=budget),
     }
     return make_eviction_cache(model, configs[arm])

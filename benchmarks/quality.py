@@ -8,9 +8,9 @@
 Every eviction arm holds the same token budget per compressed layer; bytes are
 counted over all layers, so each arm's real byte compression is reported beside it.
   full        the model's own caches (the reference)
-  default     the library default, whatever it is when the benchmark runs (not in the default arm list:
-              since 0.2 it is keydiff_all)
-  keydiff_all keep="keydiff" in every full-attention layer (the default since 0.2)
+  default     the library default, whatever it is when the benchmark runs (0.3: keep-low with coverage 0.25;
+              every other arm sets coverage=0, its rule alone)
+  keydiff_all keep="keydiff" in every full-attention layer (the default of 0.2)
   random_all  random scores in every full-attention layer: keydiff_all's twin at equal bytes
   blend_all   keep="blend" (KeyDiff's cosine + 0.5 ln|k|) in every full-attention layer
   low_all     keep-low in every full-attention layer
@@ -102,8 +102,9 @@ class Arms:
         self.early = default_skip_layers(self.n)
 
     def config(self, arm: str, budget: int) -> Optional[EvictionConfig]:
-        paper = dict(budget=budget, skip_layers=(0, 1))
-        low = dict(budget=budget, keep="low")
+        # every arm but "default" states coverage=0: its rule alone (the default's layout changed in 0.3)
+        paper = dict(budget=budget, skip_layers=(0, 1), coverage=0.0)
+        low = dict(budget=budget, keep="low", coverage=0.0)
         table = {  # every arm names its rule: the default's rule changed in 0.2
             "default": EvictionConfig(budget=budget),
             "paper": EvictionConfig(**paper, keep="low"),
@@ -115,12 +116,12 @@ class Arms:
             "bounded_x8": EvictionConfig(**low, early_factor=8),
             "bounded_x4": EvictionConfig(**low, early_factor=4),
             # skip30's twin at equal bytes: random with the retrieval preset's layers whole
-            "random_same": EvictionConfig(budget=budget, keep="random", skip_layers=None),
+            "random_same": EvictionConfig(budget=budget, keep="random", skip_layers=None, coverage=0.0),
             "low_all": EvictionConfig(**low, skip_layers=()),
-            "random_all": EvictionConfig(budget=budget, keep="random", skip_layers=()),
-            "recent_all": EvictionConfig(budget=budget, keep="recent", skip_layers=()),
-            "keydiff_all": EvictionConfig(budget=budget, keep="keydiff", skip_layers=()),
-            "blend_all": EvictionConfig(budget=budget, keep="blend", skip_layers=()),
+            "random_all": EvictionConfig(budget=budget, keep="random", skip_layers=(), coverage=0.0),
+            "recent_all": EvictionConfig(budget=budget, keep="recent", skip_layers=(), coverage=0.0),
+            "keydiff_all": EvictionConfig(budget=budget, keep="keydiff", skip_layers=(), coverage=0.0),
+            "blend_all": EvictionConfig(budget=budget, keep="blend", skip_layers=(), coverage=0.0),
         }
         return table.get(arm)
 

@@ -265,7 +265,7 @@ class EvictionKVCache(_BaseCache):
     # ---- internals -------------------------------------------------------------
     @property
     def _cover_slots(self) -> int:
-        return cover_slots(self.budget, self.coverage)
+        return cover_slots(self.budget, self.coverage, self.n_sink + self.recent)
 
     def _evict_key(self, rank: mx.array) -> mx.array:
         return evict_key(rank, self.offset, self.recent, self._cover_slots)
@@ -621,7 +621,8 @@ class BatchEvictionKVCache(_BaseCache):
 
     def _evict_key(self, rank: mx.array) -> mx.array:
         """Ranks with each row's recent window and coverage positions protected (PAD stays PAD)."""
-        return evict_key(rank, self.seen, self.recent, cover_slots(self.budget, self.coverage))
+        return evict_key(rank, self.seen, self.recent, cover_slots(self.budget, self.coverage,
+                                                                   self.n_sink + self.recent))
 
     def _block(self, keys: mx.array, values: mx.array, real: list[int]):
         self._compact()

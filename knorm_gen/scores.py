@@ -248,9 +248,11 @@ def protect_recent(rank: mx.array, first_recent: mx.array | int) -> mx.array:
     return mx.where(pos >= first_recent, PROTECTED + pos.astype(mx.int64), rank)
 
 
-def cover_slots(budget: int, coverage: float) -> int:
-    """Slots of a ``budget`` that coverage keeps evenly spread."""
-    return int(coverage * budget)
+def cover_slots(budget: int, coverage: float, reserved: int = 0) -> int:
+    """Slots of a ``budget`` that coverage keeps evenly spread: ``coverage`` of it, but
+    always at least one slot left to the rule beside the ``reserved`` ones (sinks and
+    the recent window), so a small budget keeps its meaning."""
+    return max(0, min(int(coverage * budget), budget - reserved - 1))
 
 
 def coverage_stride(seen: int, slots: int) -> int:

@@ -38,17 +38,17 @@ from .prompts import as_tokenizer, context_spans, has_chat_template, split_quest
 from .scores import ALL_EVICTABLE
 
 CANDIDATES: dict[str, dict] = {
-    "keydiff": dict(keep="keydiff", skip_layers=()),
-    "low": dict(keep="low", skip_layers=()),
-    "blend": dict(keep="blend", skip_layers=()),
+    "keydiff": dict(keep="keydiff", skip_layers=(), coverage=0.0),
+    "low": dict(keep="low", skip_layers=(), coverage=0.0),
+    "blend": dict(keep="blend", skip_layers=(), coverage=0.0),
     "low_cov25": dict(keep="low", skip_layers=(), coverage=0.25),
     "low_cov50": dict(keep="low", skip_layers=(), coverage=0.5),
     "keydiff_cov25": dict(keep="keydiff", skip_layers=(), coverage=0.25),
     "keydiff_cov50": dict(keep="keydiff", skip_layers=(), coverage=0.5),
     "blend_cov25": dict(keep="blend", skip_layers=(), coverage=0.25),
-    "retrieval": dict(keep="low", skip_layers=None),  # the first 30% of layers whole: unbounded
-    "paper": dict(keep="low", skip_layers=(0, 1)),  # unbounded
-    "random": dict(keep="random", skip_layers=()),  # the control at equal bytes
+    "retrieval": dict(keep="low", skip_layers=None, coverage=0.0),  # the first 30% of layers whole: unbounded
+    "paper": dict(keep="low", skip_layers=(0, 1), coverage=0.0),  # unbounded
+    "random": dict(keep="random", skip_layers=(), coverage=0.0),  # the control at equal bytes
 }
 """Candidate layouts, each a set of :class:`EvictionConfig` fields (the budget is
 the task's). ``random`` is every candidate's equal-bytes control."""

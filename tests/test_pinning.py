@@ -111,11 +111,18 @@ def test_coverage_positions_stay_held_as_the_input_grows():
         assert {0, 64, 128, 192} <= set(h) and len(h) == 16
 
 
-def test_coverage_validation_names_the_field():
+@pytest.mark.parametrize("bad", [1.0, -0.1, float("nan"), "half", True])
+def test_coverage_validation_names_the_field(bad):
     with pytest.raises(ValueError, match="coverage"):
-        EvictionConfig(coverage=1.0)
-    with pytest.raises(ValueError, match="coverage"):
-        EvictionConfig(budget=16, recent=2, coverage=0.9)
+        EvictionConfig(coverage=bad)
+
+
+def test_coverage_always_leaves_the_rule_a_slot():
+    from knorm_gen.scores import cover_slots
+
+    assert cover_slots(512, 0.25, 68) == 128
+    assert cover_slots(16, 0.9, 6) == 9  # 16 - (4 sinks + 2 recent) - 1
+    assert cover_slots(6, 0.5, 4) == 1 and cover_slots(5, 0.5, 4) == 0
 
 
 def test_spans_and_coverage_survive_save_and_load(tmp_path):

@@ -133,6 +133,7 @@ def test_presets_are_layouts_the_fields_override():
     mixed, _ = make_configs(EvictionConfig(early_factor=4), preset="summarize", keep="blend")
     assert (mixed.keep, mixed.skip_layers, mixed.early_factor) == ("blend", (), None)
     assert mixed.resolved(30).layers == tuple((512, 64) for _ in range(30))  # every layer bounded
-    with pytest.raises(ValueError, match="preset must be one of paper, retrieval, summarize; got 'x'"):
+    assert paper.coverage == retrieval.coverage == mixed.coverage == 0.0  # a preset is its rule alone
+    with pytest.raises(ValueError, match="preset must be one of paper, retrieval, summarize, auto; got 'x'"):
         make_configs(preset="x")
-    assert set(PRESETS) == {"paper", "retrieval", "summarize"}
+    assert set(PRESETS) == {"paper", "retrieval", "summarize", "auto"}
