@@ -8,7 +8,7 @@
 Every eviction arm holds the same token budget per compressed layer; bytes are
 counted over all layers, so each arm's real byte compression is reported beside it.
   full        the model's own caches (the reference)
-  default     the library default, whatever it is when the benchmark runs (0.3: keep-low with coverage 0.25;
+  default     the library default, whatever it is when the benchmark runs (0.3: blend with coverage 0.25;
               every other arm sets coverage=0, its rule alone)
   keydiff_all keep="keydiff" in every full-attention layer (the default of 0.2)
   random_all  random scores in every full-attention layer: keydiff_all's twin at equal bytes

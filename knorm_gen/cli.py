@@ -562,7 +562,7 @@ def stats_line(result: Any) -> str:
               help="Documents measured (the first ones of DOCS, or of the shipped corpus).")
 @click.option("--doc-tokens", type=click.IntRange(min=256), default=1536, show_default=True,
               help="Each document is cut to its first N tokens.")
-@click.option("--quick", is_flag=True, help="One document of 1024 tokens and three candidates (a few minutes).")
+@click.option("--quick", is_flag=True, help="One document of 1024 tokens and four candidates (a few minutes).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Also write the full result as JSON here.")
 @click.option("--no-save", is_flag=True, help="Do not save the choice as this model's tuning (--preset auto).")
 @click.version_option(__version__, prog_name="knorm-tune")

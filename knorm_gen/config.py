@@ -206,13 +206,14 @@ def _setting(default: Any, help: str, *, parse=None, metavar: Optional[str] = No
 class EvictionConfig:
     """How every compressed layer evicts, as the user states it. ``budget=None``
     means no eviction; ``recent=None`` means :func:`auto_recent` (``budget // 8``,
-    per layer). The default, the paper's rule (``keep="low"``) with a quarter of each
-    budget spread evenly over the document (``coverage=0.25``) and ``skip_layers=()``,
-    bounds every full-attention layer. It was chosen on documents and fillers held
-    out from the tuning (benchmarks/choose_default.py; docs/results.md): the paper's
-    rule keeps needles where KeyDiff lost them on unseen fillers, and coverage keeps
-    what a summary needs, which the rule alone loses to random eviction. On Gemma 3 it
-    still keeps a little less of a document than random eviction. ``skip_layers`` are left uncompressed (their
+    per layer). The default, ``keep="blend"`` (KeyDiff's cosine plus the paper's log
+    norm) with a quarter of each budget spread evenly over the document
+    (``coverage=0.25``) and ``skip_layers=()``, bounds every full-attention layer. It was
+    chosen on documents and fillers held out from the tuning (benchmarks/choose_default.py;
+    docs/results.md): the paper's rule alone lost the pass keys on Gemma 3, KeyDiff alone
+    on SmolLM2's unseen fillers; the blend kept them on both, and coverage keeps what a
+    summary needs. On Gemma 3 it still keeps a little less of a document than random
+    eviction. ``skip_layers`` are left uncompressed (their
     memory grows with the input); ``None`` means :func:`early_layers`: the first 30%
     (at least two) of the full-attention layers (``--preset retrieval``).
     ``layer_budgets`` (``{layer: budget}``) overrides the budget of single layers.
@@ -228,8 +229,8 @@ class EvictionConfig:
                                      parse=parse_budget, metavar="INT|none")
     n_sink: int = _setting(4, "Leading tokens never evicted.")
     recent: Optional[int] = _setting(None, "Most recent tokens never evicted.", default_text="budget // 8")
-    keep: str = _setting("low", "low = keep low key norms (the paper's L2Norm rule); keydiff = keep keys least like "
-                         "the head's mean; blend = both; high = ablation; random/recent = baselines.",
+    keep: str = _setting("blend", "low = keep low key norms (the paper's L2Norm rule); keydiff = keep keys least like "
+                         "the head's mean; blend = both (the default); high = ablation; random/recent = baselines.",
                          choices=KEEP_MODES)
     skip_layers: Optional[tuple[int, ...]] = _setting(
         (), "Layers left uncompressed (their memory grows with the input), e.g. '0,1' or '0-8'; 'none' "

@@ -47,6 +47,7 @@ CANDIDATES: dict[str, dict] = {
     "keydiff_cov50": dict(keep="keydiff", skip_layers=(), coverage=0.5),
     "blend_cov25": dict(keep="blend", skip_layers=(), coverage=0.25),
     "retrieval": dict(keep="low", skip_layers=None, coverage=0.0),  # the first 30% of layers whole: unbounded
+    "retrieval_cov25": dict(keep="low", skip_layers=None, coverage=0.25),  # unbounded
     "paper": dict(keep="low", skip_layers=(0, 1), coverage=0.0),  # unbounded
     "random": dict(keep="random", skip_layers=(), coverage=0.0),  # the control at equal bytes
 }
@@ -295,10 +296,11 @@ def run(tuner: Tuner, docs: Sequence[Doc], *, tasks: Sequence[str] = ("fidelity"
 
 # ---- choosing a layout for one model, and remembering it ------------------------------
 
-TUNE_ARMS = ("keydiff", "low", "low_cov25", "keydiff_cov25", "blend_cov25", "random")
-"""What ``knorm-tune`` measures by default (``--arms`` for more): the bounded rules,
-each alone and with a coverage share, and random eviction as the control."""
-QUICK_ARMS = ("keydiff", "low_cov25", "random")
+TUNE_ARMS = ("blend_cov25", "keydiff", "low", "keydiff_cov25", "low_cov25", "random")
+"""What ``knorm-tune`` measures by default (``--arms`` for more): the default layout
+(``blend_cov25``), the bounded rules alone and with a coverage share, and random
+eviction as the control."""
+QUICK_ARMS = ("blend_cov25", "keydiff", "low_cov25", "random")
 JOBS = ("summarize", "retrieve", "both")
 KEYS_TARGET = 0.9  # at least this share of the full cache's pass keys
 FIDELITY_SLACK = 0.02  # and summary fidelity no more than this below random eviction's

@@ -405,14 +405,14 @@ def test_layer_budgets_override_single_layers(tiny_model):
         make_eviction_cache(tiny_model, EvictionConfig(budget=8, layer_budgets={5: 16}))
 
 
-def test_the_default_bounds_every_layer_with_the_paper_rule_and_coverage():
+def test_the_default_bounds_every_layer_with_blend_and_coverage():
     from knorm_gen.memory import kv_memory
 
     config = EvictionConfig(budget=8)
-    assert (config.keep, config.coverage, config.skip_layers) == ("low", 0.25, ())
+    assert (config.keep, config.coverage, config.skip_layers) == ("blend", 0.25, ())
     model = tiny_llama(layers=10)
     caches = make_eviction_cache(model, config)
-    assert all(isinstance(c, L2NormKVCache) and (c.keep, c.coverage) == ("low", 0.25) for c in caches)
+    assert all(isinstance(c, L2NormKVCache) and (c.keep, c.coverage) == ("blend", 0.25) for c in caches)
     # a ceiling: 10 layers of 8 positions (an independent count from the shapes)
     attn = model.layers[0].self_attn
     per_slot = attn.n_kv_heads * attn.head_dim * 4 * 2  # keys + values, float32

@@ -112,9 +112,9 @@ def test_records_match_hand_built_records_and_share_one_shape(tmp_path, mt):
     assert {k: p[k] for k in want} == want
     assert p["compression_ratio"] == pytest.approx(p["full_bytes"] / p["kept_bytes"])
     assert p["meta"] == {"source": "test"} and p["model"] == MODEL["spec"] and p["error"] is None
-    # the default bounds every layer with the paper's rule and a quarter of the budget as coverage
+    # the default bounds every layer with blend (KeyDiff + the paper's norm) and a quarter as coverage
     assert p["config"]["budget"] == 16 and p["config"]["max_tokens"] == 2 and p["config"]["skip_layers"] == []
-    assert (p["config"]["keep"], p["config"]["coverage"]) == ("low", 0.25)
+    assert (p["config"]["keep"], p["config"]["coverage"]) == ("blend", 0.25)
     # "Say hi." is shorter than the budget: nothing is evicted, so mlx_lm's own generation is the reference
     ids = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True)
     assert m["tokens_kept"] == m["tokens_seen"] == len(ids) + m["generated_tokens"]
