@@ -29,31 +29,53 @@ RESULTS = Path(__file__).parent / "results"
 SPLIT_FILLERS = {"tune": ("grass", "ledger"), "heldout": ("harbor", "recipe")}
 
 
-def report(paths) -> str:
-    """One markdown table per results file: recovered share, paired wins against random,
-    pass keys found of the full cache's, perplexity ratio to the full cache."""
-    out = []
+def merged(paths) -> list[dict]:
+    """The results files grouped by (model, split): rows of runs over the same documents
+    join (each run measures its own arms; the full cache and no-document rows, which do
+    not depend on the arms, are kept once)."""
+    groups: dict[tuple, dict] = {}
     for path in paths:
         d = json.loads(Path(path).read_text())
-        table = summarize(d["rows"], ["full", *d["arms"]])
+        g = groups.setdefault((d["model"], d["split"]), {**d, "rows": [], "arms": {}, "docs": [], "fillers": []})
+        g["arms"].update(d["arms"])
+        g["docs"] += [x for x in d["docs"] if x not in g["docs"]]
+        g["fillers"] += [x for x in d["fillers"] if x not in g["fillers"]]
+        seen = {(r["task"], r["doc"], r["arm"], r.get("key"), r.get("mode")) for r in g["rows"]}
+        g["rows"] += [r for r in d["rows"] if (r["task"], r["doc"], r["arm"], r.get("key"), r.get("mode")) not in seen]
+    return list(groups.values())
+
+
+def report(paths, first: str = "blend_cov25") -> str:
+    """One markdown table per (model, split): recovered share, paired wins against
+    random, pass keys found of the full cache's (in documents, in filler), perplexity
+    ratio to the full cache; ``first`` (the default's layout) leads."""
+    out = []
+    for d in merged(paths):
+        arms = sorted(d["arms"], key=lambda a: (a != first, a == "random"))
+        table = summarize(d["rows"], ["full", *arms])
         out.append(f"**{d['model']}, {d['split']} split** ({', '.join(d['docs'])}; fillers "
                    f"{', '.join(d['fillers'])}; {d['ratio']:g}x)\n")
         out.append("| layout | fidelity (recovered) | wins vs random | pass keys (of the full cache's) | in documents "
                    "| in filler | ppl vs full |")
         out.append("|---|---|---|---|---|---|---|")
         found = {(r["doc"], r["key"]) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == "full" and r["ok"]}
-        for arm, v in table.items():
+        for arm, v in [(a, table[a]) for a in (*arms, "full")]:
             rec = "-" if v["recovered"] is None else f"{v['recovered']:.1%}"
             ppl = "-" if v["ppl_ratio"] is None else f"{v['ppl_ratio']:.3f}x"
-            keys = f"{v['keys_of_full']}/{v['full_keys']}" if arm != "full" else f"{v['full_keys']}/{v['keys_total']}"
-            wins = f"{v['wins_vs_random']}/{v['fidelity_docs']}" if arm not in ("full", "random") else "-"
+            keys = (f"{v['full_keys']}/{v['keys_total']}" if arm == "full" else "-" if not v["keys_total"] else
+                    f"{v['keys_of_full']}/{len(found & {(r['doc'], r['key']) for r in d['rows'] if r['task'] == 'passkey' and r['arm'] == arm})}")
+            wins = f"{v['wins_vs_random']}/{v['fidelity_docs']}" if arm not in ("full", "random") and v["fidelity_docs"] \
+                else "-"
             split = []
             for filler in (False, True):
                 cases = {(r["doc"], r["key"]) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == "full"
                          and r["doc"].startswith("filler:") == filler}
+                asked = {(r["doc"], r["key"]) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == arm
+                         and r["doc"].startswith("filler:") == filler}
                 ok = {(r["doc"], r["key"]) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == arm
                       and r["ok"] and r["doc"].startswith("filler:") == filler}
-                split.append(f"{len(ok & found)}/{len(cases & found)}" if arm != "full" else f"{len(ok)}/{len(cases)}")
+                split.append(f"{len(ok)}/{len(cases)}" if arm == "full" else
+                             f"{len(ok & found)}/{len(asked & found)}" if asked else "-")
             out.append(f"| {arm} | {rec} | {wins} | {keys} | {split[0]} | {split[1]} | {ppl} |")
         out.append("")
     return "\n".join(out)
