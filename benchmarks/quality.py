@@ -68,6 +68,7 @@ from knorm_gen import EvictionConfig, L2NormKVCache, cache_stats, make_eviction_
 from knorm_gen import answer_questions
 from knorm_gen.cache import copy_caches, pin_caches
 from knorm_gen.engine import prefill
+from knorm_gen.tune import answer_nll, cut_repetition  # the tuner's fidelity, shared
 from knorm_gen.config import early_layers as default_skip_layers
 from knorm_gen.mlx_compat import full_attention_layers
 from knorm_gen.corpus import pydoc_sections, text_of_tokens
@@ -372,31 +373,6 @@ def _greedy_ids(model, tok, ids: list[int], caches: list, max_tokens: int, penal
     return [r.token for r in stream_generate(model, tok, mx.array(ids), max_tokens=max_tokens, prompt_cache=caches,
                                              logits_processors=processors)
             if r.token not in eos]
-
-
-def cut_repetition(ids: list[int], n: int = 8) -> list[int]:
-    """``ids`` up to the first ``n``-gram that already occurred: a greedy summary that
-    loops is scored only up to its loop (a loop is easy to predict from its own first
-    copy, document or not, which would flatter every arm)."""
-    seen = set()
-    for i in range(len(ids) - n + 1):
-        gram = tuple(ids[i : i + n])
-        if gram in seen:
-            return ids[:i]
-        seen.add(gram)
-    return ids
-
-
-
-
-def answer_nll(model, caches: list, prompt_ids: list[int], answer_ids: list[int]) -> float:
-    """Mean NLL (nats per token) of ``answer_ids`` after ``prompt_ids``, fed as ONE block
-    through ``caches``."""
-    logits = model(mx.array(prompt_ids + answer_ids)[None], cache=caches)[0]
-    n = len(prompt_ids)
-    logits = logits[n - 1 : n - 1 + len(answer_ids)].astype(mx.float32)
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return -mx.take_along_axis(logp, mx.array(answer_ids)[:, None], axis=-1).mean().item()
 
 
 def _doc_seed(name: str) -> int:
