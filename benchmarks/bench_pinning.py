@@ -64,8 +64,9 @@ def main(argv=None) -> dict:
         print(f"doc {i} ({rows[-1]['tokens']} tokens): instruction tokens held at budget 128: mean {mean:.0%}, "
               f"worst layer/head {worst:.0%}; code found {found}", flush=True)
         rows.append(dict(doc=i, held_mean=mean, held_worst=worst))
-    Path(args.out).write_text(json.dumps(rows, indent=1))
-    return {"rows": rows}
+    result = {"model": "default", "budget_held": 128, "rows": rows}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
 
 
 if __name__ == "__main__":
