@@ -330,17 +330,23 @@ def _settings(ctx: click.Context, input_path: Optional[str], job_file: Optional[
     return settings
 
 
+model_option = click.option("--model", default=BatchOptions.model, show_default=True,
+                            help="'default' (embedded SmolLM2-135M), a .gguf file, or an mlx_lm model path/id.")
+preset_option = click.option(
+    "--preset", type=click.Choice(tuple(PRESETS)), default=None,
+    help="A named eviction layout; the eviction options given beside it override it. paper: keep-low, layers 0-1 "
+         "uncompressed (the paper); retrieval: keep-low, the first 30% of the full-attention layers uncompressed "
+         "(memory grows with the input); summarize: KeyDiff in every layer (0.2's default); auto: the layout "
+         "knorm-tune saved for this model (the default without one).")
+
+
 @click.command(cls=_BatchCommand, context_settings=HELP)
 @click.argument("input_path", metavar="INPUT", required=False)
 @click.option("-o", "--output", help="Output JSONL. Default: <input stem>.completions.jsonl beside a regular "
               "INPUT file, stdout for stdin or a pipe; '-' = stdout.")
-@click.option("--model", default=BatchOptions.model, show_default=True,
-              help="'default' (embedded SmolLM2-135M), a .gguf file, or an mlx_lm model path/id.")
+@model_option
 @config_options
-@click.option("--preset", type=click.Choice(tuple(PRESETS)), default=None,
-              help="A named eviction layout; the eviction options given beside it override it. paper: keep-low, "
-                   "layers 0-1 uncompressed (the paper); retrieval: keep-low, the first 30% of the full-attention "
-                   "layers uncompressed (pass keys; memory grows with the input); summarize: KeyDiff in every layer.")
+@preset_option
 @click.option("--batch-size", type=int, default=BatchOptions.batch_size, show_default=True,
               help="Rows decoded together (1 = one row at a time, records in input order).")
 @click.option("--stats-log", type=click.Path(dir_okay=False), help="Write per-row stats (no texts) as JSONL.")
@@ -457,12 +463,9 @@ def main(argv: Optional[list[str]] = None) -> None:
 @click.option("-p", "--prompt", required=True, metavar="TEXT",
               help="The prompt; '-' reads it from stdin. As in mlx_lm.generate, \\n and \\t in TEXT are a newline "
                    "and a tab.")
-@click.option("--model", default=BatchOptions.model, show_default=True,
-              help="'default' (embedded SmolLM2-135M), a .gguf file, or an mlx_lm model path/id.")
+@model_option
 @generation_options
-@click.option("--preset", type=click.Choice(tuple(PRESETS)), default=None,
-              help="A named eviction layout (as knorm-batch --preset); the eviction options given beside it "
-                   "override it.")
+@preset_option
 @run_options
 @click.option("-v", "--verbose", is_flag=True, help="Also print the model and the KV memory bound before the text.")
 @click.version_option(__version__, prog_name="knorm-generate")
@@ -545,8 +548,7 @@ def stats_line(result: Any) -> str:
 
 @click.command(name="knorm-tune", context_settings=HELP)
 @click.argument("docs", required=False, type=click.Path(dir_okay=False, allow_dash=False))
-@click.option("--model", default=BatchOptions.model, show_default=True,
-              help="'default' (embedded SmolLM2-135M), a .gguf file, or an mlx_lm model path/id.")
+@model_option
 @click.option("--context-field", default="text", show_default=True, help="The field of DOCS holding a document.")
 @click.option("--budget", type=click.IntRange(min=8), default=None,
               help="Tokens kept per layer (default: each document's tokens / --ratio).")
