@@ -84,7 +84,7 @@ class EvictionKVCache(_BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         n = keys.shape[2]
         anchor = None
-        spans = span_array([self.spans])
+        spans = self._span_array()
         if self.keep in ANCHORED:
             part = anchor_sum(keys)
             self.key_sum = part if self.key_sum is None else self.key_sum + part
@@ -263,6 +263,12 @@ class EvictionKVCache(_BaseCache):
         )
 
     # ---- internals -------------------------------------------------------------
+    def _span_array(self) -> Optional[mx.array]:
+        # Built once per spans, not at every decode step of every layer.
+        if getattr(self, "_spans_for", None) != self.spans:
+            self._spans_for, self._spans_arr = self.spans, span_array([self.spans])
+        return self._spans_arr
+
     @property
     def _cover_slots(self) -> int:
         return cover_slots(self.budget, self.coverage, self.n_sink + self.recent)
