@@ -34,10 +34,17 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import EvictionConfig, ResolvedEviction, validate_eviction_args
-from .mlx_compat import _BaseCache, create_attention_mask, make_prompt_cache, register_cache_class
+from . import quant
+from .mlx_compat import _BaseCache, create_attention_mask, is_full_attention, make_prompt_cache, register_cache_class
+from .quant import Stored
 from .scores import (ALL_EVICTABLE, ANCHORED, PAD, PROTECTED, Spans, anchor_sum, block_ranks, capacity,
                      check_spans, cover_slots, evict_key, open_ended, pin_from, pinned_count, rank_positions,
                      rescore, running_anchor, span_array)
+
+
+UNBOUNDED = 1 << 40
+"""The budget of a layer that stores quantized but never evicts (``kv_bits`` with
+``budget=None``, or a skipped layer): more tokens than any row reaches."""
 
 
 @register_cache_class  # load_prompt_cache rebuilds caches by class name from mlx_lm's cache module
@@ -62,13 +69,16 @@ class EvictionKVCache(_BaseCache):
     """
 
     def __init__(self, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
-                 keep: str = EvictionConfig.keep, coverage: float = 0.0, spans: Spans = ALL_EVICTABLE):
+                 keep: str = EvictionConfig.keep, coverage: float = 0.0, spans: Spans = ALL_EVICTABLE,
+                 kv_bits: Optional[int] = None, kv_group_size: int = EvictionConfig.kv_group_size):
         validate_eviction_args(budget, n_sink, recent, keep, coverage)
         self.budget, self.n_sink, self.recent, self.keep = budget, n_sink, recent, keep
         self.coverage = float(coverage)
         self.spans: Spans = check_spans(spans)
-        self.keys: Optional[mx.array] = None
-        self.values: Optional[mx.array] = None
+        self._set_quantization(kv_bits, kv_group_size)
+        # Stored keys and values: arrays, or with kv_bits the (packed, scales, biases) triples (:mod:`.quant`).
+        self.keys: Optional[Stored] = None
+        self.values: Optional[Stored] = None
         # int64 per slot: (score bits << 32) | position, so one integer compare
         # ranks by score and breaks ties by position; pinned ones are negative.
         self.rank: Optional[mx.array] = None
@@ -92,15 +102,17 @@ class EvictionKVCache(_BaseCache):
             if n > 1 and self.keys is not None and self.count:  # one anchor for every score a block compares
                 self._compact()
                 held = self.rank[:, :, : self.count]
-                self.rank[:, :, : self.count] = rescore(self.keep, self.n_sink, self.keys[:, :, : self.count],
+                self.rank[:, :, : self.count] = rescore(self.keep, self.n_sink, self._float_keys(self.count),
                                                         held, anchor, spans)
+        # Scored in full precision, stored (and attended) quantized when kv_bits is set.
         rank = block_ranks(self.keep, self.n_sink, keys, self.offset, anchor, spans)
+        keys, values = self._store(keys, values)
         self.offset += n
         limit = self.limit
         if self.count + n <= limit:
             self._compact()
             self._append(keys, values, rank)
-            return self.keys[..., : self.count, :], self.values[..., : self.count, :]
+            return quant.rows(self.keys, 0, self.count), quant.rows(self.values, 0, self.count)
         if n == 1:
             return self._decode_over_budget(keys, values, rank)
         return self._block_over_budget(keys, values, rank, limit)
@@ -116,14 +128,17 @@ class EvictionKVCache(_BaseCache):
         return (
             self.keys, self.values, self.rank, self.free,
             self.count, self.offset, self.budget, self.n_sink, self.recent, self.keep, 0,
-            self.key_sum, json.dumps(self.spans), self.coverage,
+            self.key_sum, json.dumps(self.spans), self.coverage, self.kv_bits or 0, self.kv_group_size,
         )
 
     @state.setter
     def state(self, v):
         (self.keys, self.values, self.rank, self.free,
          self.count, self.offset, self.budget, self.n_sink, self.recent, self.keep, pinned) = v[:11]
+        self.keys, self.values = quant.as_stored(self.keys), quant.as_stored(self.values)
         self.key_sum = v[11] if len(v) > 11 else None
+        self._set_quantization(int(v[14]) or None if len(v) > 14 else None,
+                               int(v[15]) if len(v) > 15 else EvictionConfig.kv_group_size)
         if len(v) > 12:
             self.spans, self.coverage = check_spans(json.loads(v[12])), float(v[13])
         else:  # saved before 0.3: pinned meant every token after the budget was kept
@@ -134,11 +149,14 @@ class EvictionKVCache(_BaseCache):
     @property
     def meta_state(self) -> tuple[str, ...]:
         return tuple(str(x) for x in (self.count, self.offset, self.budget, self.n_sink,
-                                      self.recent, self.keep, json.dumps(self.spans), self.coverage))
+                                      self.recent, self.keep, json.dumps(self.spans), self.coverage,
+                                      self.kv_bits or 0, self.kv_group_size))
 
     @meta_state.setter
     def meta_state(self, v: Sequence[str]) -> None:
-        count, offset, budget, n_sink, recent, keep, spans, coverage = v
+        count, offset, budget, n_sink, recent, keep, spans, coverage = v[:8]
+        if len(v) > 8:
+            self._set_quantization(int(v[8]) or None, int(v[9]))
         self.count, self.offset, self.budget = int(count), int(offset), int(budget)
         self.n_sink, self.recent, self.keep = int(n_sink), int(recent), keep
         self.spans, self.coverage = check_spans(json.loads(spans)), float(coverage)
@@ -151,10 +169,10 @@ class EvictionKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated now (key/value buffers and ranks)."""
+        """Bytes allocated now (key/value buffers, quantized when they are, and ranks)."""
         if self.keys is None:
             return 0
-        return self.keys.nbytes + self.values.nbytes + self.rank.nbytes
+        return quant.nbytes(self.keys) + quant.nbytes(self.values) + self.rank.nbytes
 
     def is_trimmable(self) -> bool:
         # Trimming is only honest while nothing has been evicted: an evicted
@@ -166,7 +184,7 @@ class EvictionKVCache(_BaseCache):
             return 0
         n = min(self.count, n)
         if self.key_sum is not None and n:  # nothing was evicted: the trimmed keys are the last ones held
-            self.key_sum = self.key_sum - anchor_sum(self.keys[:, :, self.count - n : self.count])
+            self.key_sum = self.key_sum - anchor_sum(self._float_keys(self.count, self.count - n))
         self.count -= n
         self.offset -= n
         return n
@@ -200,20 +218,33 @@ class EvictionKVCache(_BaseCache):
         return self.offset - self.count
 
     def bytes_per_position(self) -> int:
+        """Key and value bytes one position takes as stored (with kv_bits: the packed
+        values plus their scales and biases)."""
         if self.keys is None:
             return 0
-        b, h, _, dk = self.keys.shape
-        return b * h * (dk * self.keys.dtype.size + self.values.shape[3] * self.values.dtype.size)
+        return quant.batch_rows(self.keys) * (quant.bytes_per_slot(self.keys) + quant.bytes_per_slot(self.values))
+
+    def full_precision_bytes_per_position(self) -> int:
+        """Key and value bytes one position takes in the model's own dtype, unquantized."""
+        if self.keys is None:
+            return 0
+        return quant.batch_rows(self.keys) * (quant.dense_bytes_per_slot(self.keys, self.kv_bits)
+                                              + quant.dense_bytes_per_slot(self.values, self.kv_bits))
 
     @property
     def kept_bytes(self) -> int:
-        """Key and value bytes of the rows held."""
+        """Key and value bytes of the rows held, as stored."""
         return self.count * self.bytes_per_position()
 
     @property
     def full_bytes(self) -> int:
-        """Key and value bytes an unbounded cache would hold for the same tokens."""
-        return self.offset * self.bytes_per_position()
+        """Key and value bytes a full-precision cache without eviction would hold for the same tokens."""
+        return self.offset * self.full_precision_bytes_per_position()
+
+    @property
+    def bounded(self) -> bool:
+        """Whether this layer evicts (False: it only stores quantized, ``budget=None`` or a skipped layer)."""
+        return self.budget < UNBOUNDED
 
     # ---- user-facing extras ---------------------------------------------------
     def pin(self) -> None:
@@ -235,34 +266,46 @@ class EvictionKVCache(_BaseCache):
     def copy(self) -> "EvictionKVCache":
         """An independent copy (MLX writes into a shared array object would leak across copies)."""
         new = EvictionKVCache.__new__(EvictionKVCache)
-        new.state = tuple(mx.array(x) if isinstance(x, mx.array) else x for x in self.state)
+        new.state = tuple(quant.copy(x) if isinstance(x, (mx.array, tuple)) else x for x in self.state)
         return new
 
-    def ordered_state(self) -> tuple[mx.array, mx.array, mx.array]:
-        """Kept ``(keys, values, positions)`` per head, sorted by position."""
+    def ordered_state(self) -> tuple[Stored, Stored, mx.array]:
+        """Kept ``(keys, values, positions)`` per head, sorted by position (keys and
+        values as stored: triples with kv_bits)."""
         keys, values, rank = self.held()
         pos = rank_positions(rank)
         order = mx.argsort(pos, axis=-1)
-        return (
-            mx.take_along_axis(keys, order[..., None], axis=2),
-            mx.take_along_axis(values, order[..., None], axis=2),
-            mx.take_along_axis(pos, order, axis=-1),
-        )
+        return quant.take(keys, order), quant.take(values, order), mx.take_along_axis(pos, order, axis=-1)
 
-    def held(self) -> tuple[mx.array, mx.array, mx.array]:
+    def held(self) -> tuple[Stored, Stored, mx.array]:
         """The held ``(keys, values, ranks)`` without the evicted slot (stored order,
         not time order)."""
         if self.free is None:
-            return tuple(a[:, :, : self.count] for a in (self.keys, self.values, self.rank))
+            return quant.rows(self.keys, 0, self.count), quant.rows(self.values, 0, self.count), \
+                self.rank[:, :, : self.count]
         slots = mx.arange(self.count, dtype=mx.int32)
         idx = slots + (slots >= self.free[..., None]).astype(mx.int32)
-        return (
-            mx.take_along_axis(self.keys, idx[..., None], axis=2),
-            mx.take_along_axis(self.values, idx[..., None], axis=2),
-            mx.take_along_axis(self.rank, idx, axis=-1),
-        )
+        return quant.take(self.keys, idx), quant.take(self.values, idx), mx.take_along_axis(self.rank, idx, axis=-1)
 
     # ---- internals -------------------------------------------------------------
+    def _set_quantization(self, bits: Optional[int], group_size: int) -> None:
+        # mlx_lm's attention takes the quantized path for a cache that has ``bits``
+        # (mlx_compat.QUANTIZED_ATTENTION), so a full-precision cache must not have one.
+        quant.check_kv_quantization(bits, group_size)
+        self.kv_bits, self.kv_group_size = bits, group_size
+        quant.mark_for_attention(self, bits, group_size)
+
+    def _dims(self) -> tuple[int, int, int, Any]:
+        return _dims(self)
+
+    def _store(self, keys: mx.array, values: mx.array) -> tuple[Stored, Stored]:
+        return (quant.quantize(keys, self.kv_bits, self.kv_group_size),
+                quant.quantize(values, self.kv_bits, self.kv_group_size))
+
+    def _float_keys(self, stop: int, start: int = 0) -> mx.array:
+        # What the anchored rules re-score: the held keys, dequantized with kv_bits.
+        return quant.dequantize(quant.rows(self.keys, start, stop), self.kv_bits, self.kv_group_size)
+
     def _span_array(self) -> Optional[mx.array]:
         # Built once per spans, not at every decode step of every layer.
         if getattr(self, "_spans_for", None) != self.spans:
@@ -282,60 +325,54 @@ class EvictionKVCache(_BaseCache):
             self.free = None
 
     def _append(self, keys, values, rank) -> None:
-        n = keys.shape[2]
-        cap = 0 if self.keys is None else self.keys.shape[2]
+        n = rank.shape[2]
+        cap = 0 if self.keys is None else quant.slots(self.keys)
         if self.count + n > cap:
-            b, h = keys.shape[:2]
-            grow = capacity(self.count + n, self.limit, self.pinned) - cap
-            new = (
-                mx.zeros((b, h, grow, keys.shape[3]), keys.dtype),
-                mx.zeros((b, h, grow, values.shape[3]), values.dtype),
-                mx.zeros((b, h, grow), mx.int64),
-            )
+            b, h = rank.shape[:2]
+            grow = capacity(self.count + n, self.limit, self.pinned or not self.bounded) - cap
+            new = (quant.zeros(keys, grow), quant.zeros(values, grow), mx.zeros((b, h, grow), mx.int64))
             if self.keys is None:
                 self.keys, self.values, self.rank = new
             else:
-                self.keys, self.values, self.rank = (
-                    mx.concatenate([a, z], axis=2) for a, z in zip((self.keys, self.values, self.rank), new)
-                )
+                self.keys = quant.concat([self.keys, new[0]])
+                self.values = quant.concat([self.values, new[1]])
+                self.rank = mx.concatenate([self.rank, new[2]], axis=2)
         start, self.count = self.count, self.count + n
-        self.keys[:, :, start : self.count] = keys
-        self.values[:, :, start : self.count] = values
+        quant.assign(self.keys, start, self.count, keys)
+        quant.assign(self.values, start, self.count, values)
         self.rank[:, :, start : self.count] = rank
 
     def _decode_over_budget(self, keys, values, rank):
         # Here count == limit: the spare slot after them takes the token.
         rows = self.count + 1
         if self.free is None:
-            if self.keys.shape[2] < rows:
+            if quant.slots(self.keys) < rows:
                 self._append(keys, values, rank)  # fills the spare slot
                 self.count -= 1
             else:
-                self.keys[:, :, self.count : rows] = keys
-                self.values[:, :, self.count : rows] = values
+                quant.assign(self.keys, self.count, rows, keys)
+                quant.assign(self.values, self.count, rows, values)
                 self.rank[:, :, self.count : rows] = rank
         else:
             slot = self.free[..., None, None]
-            self.keys = mx.put_along_axis(self.keys, slot, keys, axis=2)
-            self.values = mx.put_along_axis(self.values, slot, values, axis=2)
+            self.keys = quant.put(self.keys, slot, keys)
+            self.values = quant.put(self.values, slot, values)
             self.rank = mx.put_along_axis(self.rank, slot[..., 0], rank.reshape(slot.shape[:-1]), axis=2)
         # Evict after attending: the largest rank leaves; its slot takes the next token.
         self.free = mx.argmax(self._evict_key(self.rank[:, :, :rows]), axis=-1)
-        return self.keys[:, :, :rows], self.values[:, :, :rows]
+        return quant.rows(self.keys, 0, rows), quant.rows(self.values, 0, rows)
 
     def _block_over_budget(self, keys, values, rank, limit: int):
         if self.keys is None:
             all_k, all_v, all_r = keys, values, rank
         else:
-            all_k, all_v, all_r = (
-                mx.concatenate([a, b], axis=2) for a, b in zip(self.held(), (keys, values, rank))
-            )
+            hk, hv, hr = self.held()
+            all_k, all_v = quant.concat([hk, keys]), quant.concat([hv, values])
+            all_r = mx.concatenate([hr, rank], axis=2)
         keep = mx.argpartition(self._evict_key(all_r), kth=limit - 1, axis=-1)[..., :limit]
-        b, h = keys.shape[:2]
-        self.keys = mx.concatenate(
-            [mx.take_along_axis(all_k, keep[..., None], axis=2), mx.zeros((b, h, 1, keys.shape[3]), keys.dtype)], axis=2)
-        self.values = mx.concatenate(
-            [mx.take_along_axis(all_v, keep[..., None], axis=2), mx.zeros((b, h, 1, values.shape[3]), values.dtype)], axis=2)
+        b, h = rank.shape[:2]
+        self.keys = quant.concat([quant.take(all_k, keep), quant.zeros(keys, 1)])
+        self.values = quant.concat([quant.take(all_v, keep), quant.zeros(values, 1)])
         self.rank = mx.concatenate([mx.take_along_axis(all_r, keep, axis=-1), mx.zeros((b, h, 1), mx.int64)], axis=2)
         self.count, self.free = limit, None
         return all_k, all_v
@@ -351,14 +388,16 @@ class BatchEvictionKVCache(_BaseCache):
 
     def __init__(self, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
                  keep: str = EvictionConfig.keep, coverage: float = 0.0,
-                 batch_size: int = 0, spans: Optional[Sequence[Spans]] = None):
+                 batch_size: int = 0, spans: Optional[Sequence[Spans]] = None,
+                 kv_bits: Optional[int] = None, kv_group_size: int = EvictionConfig.kv_group_size):
         validate_eviction_args(budget, n_sink, recent, keep, coverage)
         self.budget, self.n_sink, self.recent, self.keep = budget, n_sink, recent, keep
         self.coverage = float(coverage)
         self.spans: list[Spans] = ([ALL_EVICTABLE] * batch_size if spans is None
                                    else [check_spans(s) for s in spans])
-        self.keys: Optional[mx.array] = None  # (B, H, capacity, D)
-        self.values: Optional[mx.array] = None
+        self._set_quantization(kv_bits, kv_group_size)
+        self.keys: Optional[Stored] = None  # (B, H, capacity, D), or its quantized triple
+        self.values: Optional[Stored] = None
         self.rank: Optional[mx.array] = None  # (B, H, capacity) int64
         self.counts: list[int] = [0] * len(self.spans)  # valid slots per row
         self.seen: list[int] = [0] * len(self.spans)  # true positions per row (RoPE offset)
@@ -421,7 +460,7 @@ class BatchEvictionKVCache(_BaseCache):
         idx = [int(i) for i in _as_list(batch_indices)]
         if self.keys is not None:
             sel = mx.array(idx, dtype=mx.int32)
-            self.keys, self.values, self.rank = self.keys[sel], self.values[sel], self.rank[sel]
+            self.keys, self.values, self.rank = quant.pick(self.keys, sel), quant.pick(self.values, sel), self.rank[sel]
             if self.key_sum is not None:
                 self.key_sum = self.key_sum[sel]
             if self.free is not None:
@@ -436,16 +475,15 @@ class BatchEvictionKVCache(_BaseCache):
             raise ValueError("can only extend with a BatchEvictionKVCache of the same settings")
         if other.keys is not None or self.keys is not None:
             template = self if self.keys is not None else other
-            shape = template.keys.shape
             for c in (self, other):
                 if c.keys is None:
-                    c._allocate(shape[1], shape[3], template.values.shape[3], template.keys.dtype, 0)
-            cap = max(self.keys.shape[2], other.keys.shape[2])
+                    c._allocate(*template._dims(), 0)
+            cap = max(quant.slots(self.keys), quant.slots(other.keys))
             self._grow_to(cap)
             other._grow_to(cap)
             self.free = mx.concatenate([self._free_or_zero(), other._free_or_zero()])
-            self.keys = mx.concatenate([self.keys, other.keys])
-            self.values = mx.concatenate([self.values, other.values])
+            self.keys = quant.concat([self.keys, other.keys], axis=0)
+            self.values = quant.concat([self.values, other.values], axis=0)
             self.rank = mx.concatenate([self.rank, other.rank])
             if self.key_sum is not None:
                 self.key_sum = mx.concatenate([self.key_sum, other.key_sum])
@@ -456,12 +494,13 @@ class BatchEvictionKVCache(_BaseCache):
     def extract(self, idx: int) -> EvictionKVCache:
         """Row ``idx`` as a single-row :class:`EvictionKVCache`."""
         self._compact()
-        single = EvictionKVCache(self.budget, self.n_sink, self.recent, self.keep, self.coverage, self.spans[idx])
+        single = EvictionKVCache(self.budget, self.n_sink, self.recent, self.keep, self.coverage, self.spans[idx],
+                                 self.kv_bits, self.kv_group_size)
         single.offset, single.count = self.seen[idx], self.counts[idx]
         n = self.counts[idx]
         if self.keys is not None and n:
-            single.keys = mx.contiguous(self.keys[idx : idx + 1, :, :n])
-            single.values = mx.contiguous(self.values[idx : idx + 1, :, :n])
+            single.keys = quant.contiguous(quant.each(lambda a: a[idx : idx + 1, :, :n], self.keys))
+            single.values = quant.contiguous(quant.each(lambda a: a[idx : idx + 1, :, :n], self.values))
             single.rank = mx.contiguous(self.rank[idx : idx + 1, :, :n])
         if self.key_sum is not None and self.seen[idx]:
             single.key_sum = mx.contiguous(self.key_sum[idx : idx + 1])
@@ -472,9 +511,10 @@ class BatchEvictionKVCache(_BaseCache):
         """One batch cache from single-row ``EvictionKVCache`` layers of the same settings."""
         first = caches[0]
         if any(_settings(c) != _settings(first) for c in caches):
-            raise ValueError("cannot batch eviction caches with different budget/n_sink/recent/keep/coverage")
+            raise ValueError("cannot batch eviction caches with different budget/n_sink/recent/keep/coverage/"
+                             "kv_bits/kv_group_size")
         out = cls(first.budget, first.n_sink, first.recent, first.keep, first.coverage, batch_size=len(caches),
-                  spans=[c.spans for c in caches])
+                  spans=[c.spans for c in caches], kv_bits=first.kv_bits, kv_group_size=first.kv_group_size)
         held = [c for c in caches if not c.empty() and c.count]
         out.seen = [c.offset for c in caches]
         out.counts = [0 if c.empty() else c.count for c in caches]
@@ -483,22 +523,22 @@ class BatchEvictionKVCache(_BaseCache):
             return out
         k0, v0 = held[0].keys, held[0].values
         width = max(out.counts)
-        out._allocate(k0.shape[1], k0.shape[3], v0.shape[3], k0.dtype, width)
+        heads, dk, dv, dt = held[0]._dims()
+        out._allocate(heads, dk, dv, dt, width)
         keys, values, ranks = [], [], []
         for c, n in zip(caches, out.counts):
             if n:
                 k, v, r = c.held()
             else:
-                k = mx.zeros((1, k0.shape[1], 0, k0.shape[3]), k0.dtype)
-                v = mx.zeros((1, v0.shape[1], 0, v0.shape[3]), v0.dtype)
-                r = mx.zeros((1, k0.shape[1], 0), mx.int64)
+                k, v, r = quant.zeros(k0, 0, batch=1), quant.zeros(v0, 0, batch=1), mx.zeros((1, heads, 0), mx.int64)
             pad = width - n
-            keys.append(mx.pad(k, [(0, 0), (0, 0), (0, pad), (0, 0)]))
-            values.append(mx.pad(v, [(0, 0), (0, 0), (0, pad), (0, 0)]))
+            keys.append(quant.pad(k, pad))
+            values.append(quant.pad(v, pad))
             ranks.append(mx.pad(r, [(0, 0), (0, 0), (0, pad)], constant_values=PAD))
-        out.keys, out.values, out.rank = (mx.concatenate(x) for x in (keys, values, ranks))
+        out.keys, out.values = quant.concat(keys, axis=0), quant.concat(values, axis=0)
+        out.rank = mx.concatenate(ranks)
         if out.key_sum is not None:
-            zero = mx.zeros((1, k0.shape[1], k0.shape[3]), mx.float32)
+            zero = mx.zeros((1, heads, dk), mx.float32)
             out.key_sum = mx.concatenate([zero if c.key_sum is None else c.key_sum for c in caches])
         return out
 
@@ -509,7 +549,8 @@ class BatchEvictionKVCache(_BaseCache):
         cache continues exactly as the one saved."""
         meta = {"budget": self.budget, "n_sink": self.n_sink, "recent": self.recent, "keep": self.keep,
                 "coverage": self.coverage, "counts": self.counts, "seen": self.seen, "holes": self.holes,
-                "spans": [list(map(list, s)) for s in self.spans]}
+                "spans": [list(map(list, s)) for s in self.spans], "kv_bits": self.kv_bits,
+                "kv_group_size": self.kv_group_size}
         return self.keys, self.values, self.rank, self.free, self.key_sum, json.dumps(meta)
 
     @state.setter
@@ -519,7 +560,9 @@ class BatchEvictionKVCache(_BaseCache):
                              "settings, so it cannot be restored; extract() its rows into single-row caches "
                              "before saving")
         self.keys, self.values, self.rank, self.free, self.key_sum, meta = v
+        self.keys, self.values = quant.as_stored(self.keys), quant.as_stored(self.values)
         meta = json.loads(meta)
+        self._set_quantization(meta.get("kv_bits"), meta.get("kv_group_size", EvictionConfig.kv_group_size))
         self.budget, self.n_sink, self.recent, self.keep = meta["budget"], meta["n_sink"], meta["recent"], meta["keep"]
         self.coverage = float(meta["coverage"])
         self.counts, self.seen = list(meta["counts"]), list(meta["seen"])
@@ -538,7 +581,7 @@ class BatchEvictionKVCache(_BaseCache):
     def nbytes(self) -> int:
         if self.keys is None:
             return 0
-        return self.keys.nbytes + self.values.nbytes + self.rank.nbytes
+        return quant.nbytes(self.keys) + quant.nbytes(self.values) + self.rank.nbytes
 
     def is_trimmable(self) -> bool:
         return False
@@ -551,27 +594,33 @@ class BatchEvictionKVCache(_BaseCache):
         """Tokens each row may hold now: the budget plus its pinned tokens seen."""
         return [self.budget + pinned_count(sp, self.n_sink, s) for sp, s in zip(self.spans, self.seen)]
 
+    _set_quantization = EvictionKVCache._set_quantization
+    _store = EvictionKVCache._store
+    _float_keys = EvictionKVCache._float_keys
+
+    def _dims(self) -> tuple[int, int, int, Any]:
+        return _dims(self)
+
     def _allocate(self, heads: int, dk: int, dv: int, dtype, capacity: int) -> None:
         b = self.batch_size
-        self.keys = mx.zeros((b, heads, capacity, dk), dtype)
-        self.values = mx.zeros((b, heads, capacity, dv), dtype)
+        self.keys = quant.empty(b, heads, capacity, dk, dtype, self.kv_bits, self.kv_group_size)
+        self.values = quant.empty(b, heads, capacity, dv, dtype, self.kv_bits, self.kv_group_size)
         self.rank = mx.full((b, heads, capacity), PAD, dtype=mx.int64)
         if self.keep in ANCHORED:
             self.key_sum = mx.zeros((b, heads, dk), mx.float32)
 
     def _grow_to(self, capacity: int) -> None:
-        grow = capacity - self.keys.shape[2]
+        grow = capacity - quant.slots(self.keys)
         if grow <= 0:
             return
-        b, h, _, dk = self.keys.shape
-        self.keys = mx.concatenate([self.keys, mx.zeros((b, h, grow, dk), self.keys.dtype)], axis=2)
-        self.values = mx.concatenate(
-            [self.values, mx.zeros((b, h, grow, self.values.shape[3]), self.values.dtype)], axis=2)
+        b, h = self.rank.shape[:2]
+        self.keys = quant.concat([self.keys, quant.zeros(self.keys, grow)])
+        self.values = quant.concat([self.values, quant.zeros(self.values, grow)])
         self.rank = mx.concatenate([self.rank, mx.full((b, h, grow), PAD, dtype=mx.int64)], axis=2)
 
     def _free_or_zero(self) -> mx.array:
         if self.free is None:
-            return mx.zeros(self.keys.shape[:2], dtype=mx.uint32)
+            return mx.zeros(self.rank.shape[:2], dtype=mx.uint32)
         return self.free
 
     def _compact(self) -> None:
@@ -580,8 +629,8 @@ class BatchEvictionKVCache(_BaseCache):
             return
         width = max(c + h for c, h in zip(self.counts, self.holes))
         order = mx.argsort(self.rank[:, :, :width], axis=-1)
-        self.keys = mx.take_along_axis(self.keys[:, :, :width], order[..., None], axis=2)
-        self.values = mx.take_along_axis(self.values[:, :, :width], order[..., None], axis=2)
+        self.keys = quant.take(quant.rows(self.keys, 0, width), order)
+        self.values = quant.take(quant.rows(self.values, 0, width), order)
         self.rank = mx.take_along_axis(self.rank[:, :, :width], order, axis=-1)
         self.holes = [False] * self.batch_size
         self.free = None
@@ -592,22 +641,24 @@ class BatchEvictionKVCache(_BaseCache):
         if any(self.holes):
             slot = mx.where(mx.array(self.holes)[:, None], self.free.astype(mx.int32), slot)
         need = max((c + 1 for c, hole in zip(self.counts, self.holes) if not hole), default=0)
-        if need > self.keys.shape[2]:
-            self._grow_to(capacity(need, max(self._limits()) + 1, any(open_ended(s) for s in self.spans)))
+        if need > quant.slots(self.keys):
+            self._grow_to(capacity(need, max(self._limits()) + 1,
+                                   self.budget >= UNBOUNDED or any(open_ended(s) for s in self.spans)))
         anchor = None
         if self.key_sum is not None:
             self.key_sum = self.key_sum + anchor_sum(keys)
             anchor = running_anchor(self.key_sum, [s + 1 for s in self.seen])
         rank = block_ranks(self.keep, self.n_sink, keys, mx.array(self.seen, dtype=mx.int64), anchor,
                            span_array(self.spans))
+        keys, values = self._store(keys, values)
         at = slot[..., None, None]
-        self.keys = mx.put_along_axis(self.keys, at, keys, axis=2)
-        self.values = mx.put_along_axis(self.values, at, values, axis=2)
+        self.keys = quant.put(self.keys, at, keys)
+        self.values = quant.put(self.values, at, values)
         self.rank = mx.put_along_axis(self.rank, slot[..., None], rank, axis=2)
         width = max(self.counts) + 1
         self.seen = [s + 1 for s in self.seen]
         self._sync_offset()
-        out = self.keys[:, :, :width], self.values[:, :, :width]
+        out = quant.rows(self.keys, 0, width), quant.rows(self.values, 0, width)
         # Evict after attending: each (row, head) over its limit drops its worst rank into a hole.
         limits = self._limits()
         over = [c + 1 > limit for c, limit in zip(self.counts, limits)]
@@ -641,14 +692,15 @@ class BatchEvictionKVCache(_BaseCache):
             anchor = running_anchor(self.key_sum, [s + r for s, r in zip(self.seen, real)])
             if width and any(r > 1 for r in real):  # as a row alone: held keys re-scored when >1 token arrives
                 held = self.rank[:, :, :width]
-                again = rescore(self.keep, self.n_sink, self.keys[:, :, :width], held, anchor, spans)
+                again = rescore(self.keep, self.n_sink, self._float_keys(width), held, anchor, spans)
                 self.rank[:, :, :width] = mx.where(mx.array([r > 1 for r in real])[:, None, None], again, held)
         rank = block_ranks(self.keep, self.n_sink, keys, mx.array(self.seen, dtype=mx.int64), anchor, spans)
         if any(r < n for r in real):  # right padding: never kept, never counted
             is_pad = mx.arange(n)[None, :] >= mx.array(real)[:, None]
             rank = mx.where(is_pad[:, None, :], PAD, rank)
-        all_k = mx.concatenate([self.keys[:, :, :width], keys], axis=2)
-        all_v = mx.concatenate([self.values[:, :, :width], values], axis=2)
+        keys, values = self._store(keys, values)
+        all_k = quant.concat([quant.rows(self.keys, 0, width), keys])
+        all_v = quant.concat([quant.rows(self.values, 0, width), values])
         all_r = mx.concatenate([self.rank[:, :, :width], rank], axis=2)
         self.seen = [s + r for s, r in zip(self.seen, real)]
         self._sync_offset()
@@ -656,8 +708,8 @@ class BatchEvictionKVCache(_BaseCache):
         self.counts = [min(t, limit) for t, limit in zip(total, self._limits())]
         keep = max(self.counts, default=0)
         order = mx.argsort(self._evict_key(all_r), axis=-1)[..., :keep]
-        self.keys = mx.take_along_axis(all_k, order[..., None], axis=2)
-        self.values = mx.take_along_axis(all_v, order[..., None], axis=2)
+        self.keys = quant.take(all_k, order)
+        self.values = quant.take(all_v, order)
         kept = mx.take_along_axis(all_r, order, axis=-1)
         # A row holding fewer than the widest keeps PAD in its tail slots.
         valid = mx.arange(keep)[None, :] < mx.array(self.counts)[:, None]
@@ -669,7 +721,13 @@ _ROW_LISTS = ("counts", "seen", "holes", "spans")
 
 
 def _settings(c: Any) -> tuple:
-    return (c.budget, c.n_sink, c.recent, c.keep, c.coverage)
+    return (c.budget, c.n_sink, c.recent, c.keep, c.coverage, c.kv_bits, c.kv_group_size)
+
+
+def _dims(c: Any) -> tuple[int, int, int, Any]:
+    """``(heads, key dim, value dim, dtype)`` a cache's stored keys and values stand for."""
+    heads = c.rank.shape[1]
+    return (heads, quant.head_dim(c.keys, c.kv_bits), quant.head_dim(c.values, c.kv_bits), quant.dtype(c.keys))
 
 
 # The names before 0.3, when the cache held one rule: saved prompt caches name them.
@@ -689,8 +747,12 @@ def make_eviction_cache(model: nn.Module, config: Union[EvictionConfig, Resolved
                         spans: Spans = ALL_EVICTABLE) -> list:
     """A fresh per-layer cache list: the model's own caches, with each layer the
     resolved config compresses (a plain full-attention ``KVCache`` outside
-    ``skip_layers``) replaced by an :class:`EvictionKVCache`. Rotating
-    (sliding-window) and non-attention caches stay. ``config`` may be given
+    ``skip_layers``) replaced by an :class:`EvictionKVCache`. With ``kv_bits`` every
+    plain full-attention layer stores quantized, the ones that keep every token
+    (``budget=None``, ``skip_layers``) in an eviction cache that never evicts
+    (mlx_lm's own ``QuantizedKVCache`` cannot be batched). Rotating
+    (sliding-window) and non-attention caches stay as the model made them, in full
+    precision. ``config`` may be given
     resolved (:meth:`EvictionConfig.for_model`); it is then taken as it is.
     ``spans``: the positions of the row's document (everything else is pinned;
     :func:`knorm_gen.prompts.encode_with_spans`)."""
@@ -699,9 +761,16 @@ def make_eviction_cache(model: nn.Module, config: Union[EvictionConfig, Resolved
         config = (config or EvictionConfig()).for_model(model)
     if config.n_layers != len(caches):
         raise ValueError(f"these settings were resolved for a model of {config.n_layers} layers, not {len(caches)}")
-    return [c if plan is None else EvictionKVCache(plan[0], config.n_sink, plan[1], config.keep, config.coverage,
-                                                   spans)
-            for c, plan in zip(caches, config.layers)]
+    bits, group = config.kv_bits, config.kv_group_size
+
+    def layer(c, plan):
+        if plan is not None:
+            return EvictionKVCache(plan[0], config.n_sink, plan[1], config.keep, config.coverage, spans, bits, group)
+        if bits and is_full_attention(c):
+            return EvictionKVCache(UNBOUNDED, 0, 0, "low", 0.0, ALL_EVICTABLE, bits, group)
+        return c
+
+    return [layer(c, plan) for c, plan in zip(caches, config.layers)]
 
 
 def copy_caches(caches: Sequence[Any]) -> list:

@@ -17,6 +17,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping, Optional, Sequence, Union
 
+from .quant import KV_GROUP_SIZES, check_head_dims, check_kv_quantization
 from .scores import SCORES
 
 KEEP_MODES = tuple(SCORES)
@@ -188,6 +189,28 @@ def _budget_parts(value: str) -> list[str]:
     return parts
 
 
+def parse_kv_bits(value: Any) -> Optional[int]:
+    """``4``, ``8`` or ``none`` (full precision)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "")):
+        return None
+    try:
+        bits = int(value)
+    except (TypeError, ValueError):
+        bits = value
+    check_kv_quantization(bits, KV_GROUP_SIZES[1])
+    return bits
+
+
+def parse_kv_group_size(value: Any) -> int:
+    """``32``, ``64`` or ``128``."""
+    try:
+        group = int(value)
+    except (TypeError, ValueError):
+        group = value
+    check_kv_quantization(None, group)
+    return group
+
+
 def _setting(default: Any, help: str, *, parse=None, metavar: Optional[str] = None, choices=None,
              default_text: Optional[str] = None, multiple: bool = False, cli_name: Optional[str] = None):
     """A config field with what the command line and job files need to know about it:
@@ -246,6 +269,13 @@ class EvictionConfig:
     early_factor: Optional[int] = _setting(
         None, "Bound every layer: nothing skipped, the first 30% of the full-attention layers hold N x --budget "
         "(8: a memory ceiling at about today's retrieval; README, Results).")
+    kv_bits: Optional[int] = _setting(
+        None, "Store the kept keys and values quantized to 4 or 8 bits (mx.quantize; attention runs on them "
+        "through mlx_lm's quantized SDPA); 'none' = full precision. Eviction still scores full-precision keys.",
+        parse=parse_kv_bits, metavar="4|8|none")
+    kv_group_size: int = _setting(
+        64, "Elements of a head's key or value that share one quantization scale and bias (with --kv-bits): "
+        "32, 64 or 128, dividing the model's head dimension.", parse=parse_kv_group_size, metavar="32|64|128")
 
     def __post_init__(self):
         if self.skip_layers is not None:
@@ -256,6 +286,7 @@ class EvictionConfig:
         if self.recent is not None and not _is_int(self.recent):
             raise ValueError(f"recent must be an integer, got {self.recent!r}")
         object.__setattr__(self, "coverage", check_coverage(self.coverage))
+        check_kv_quantization(self.kv_bits, self.kv_group_size)
         if self.budget is not None:
             validate_eviction_args(self.budget, self.n_sink, self.layer_recent(self.budget), self.keep,
                                    self.coverage)
@@ -288,8 +319,10 @@ class EvictionConfig:
         full-attention layers (found by building the model's own caches: a
         run that resolves many configs should find them once, with
         :func:`knorm_gen.mlx_compat.full_attention_layers`, and call :meth:`resolved`)."""
-        from .mlx_compat import full_attention_layers
+        from .mlx_compat import full_attention_layers, kv_head_dims
 
+        if self.kv_bits:
+            check_head_dims(kv_head_dims(model), self.kv_group_size)
         return self.resolved(len(model.layers), full_attention_layers(model))
 
     def resolved(self, n_layers: int, full_layers: Optional[Sequence[int]] = None) -> "ResolvedEviction":
@@ -320,7 +353,7 @@ class EvictionConfig:
                     plan[i] = (b, self.layer_recent(b))
         base_recent = self.recent if self.recent is not None else auto_recent(self.budget) if self.budget else 0
         return ResolvedEviction(self.budget, self.n_sink, base_recent, self.keep, tuple(skip), budgets or None,
-                                n_layers, full, tuple(plan), self.coverage)
+                                n_layers, full, tuple(plan), self.coverage, self.kv_bits, self.kv_group_size)
 
     def to_dict(self) -> dict:
         """JSON-ready: ``skip_layers`` as a list (or None); ``layer_budgets`` and
@@ -331,6 +364,9 @@ class EvictionConfig:
             d.pop("early_factor")
         if not self.coverage:
             d.pop("coverage")
+        if self.kv_bits is None:  # full precision: the fingerprints of records made before kv_bits
+            d.pop("kv_bits")
+            d.pop("kv_group_size")
         if self.layer_budgets is None:
             d.pop("layer_budgets")
         else:
@@ -339,7 +375,8 @@ class EvictionConfig:
 
     def __hash__(self) -> int:
         return hash((self.budget, self.n_sink, self.recent, self.keep, self.skip_layers,
-                     tuple(sorted((self.layer_budgets or {}).items())), self.early_factor, self.coverage))
+                     tuple(sorted((self.layer_budgets or {}).items())), self.early_factor, self.coverage,
+                     self.kv_bits, self.kv_group_size))
 
 
 @dataclass(frozen=True)
@@ -360,6 +397,8 @@ class ResolvedEviction:
     full_layers: tuple[int, ...]
     layers: tuple[Optional[tuple[int, int]], ...]
     coverage: float = 0.0
+    kv_bits: Optional[int] = None
+    kv_group_size: int = KV_GROUP_SIZES[1]
 
     def to_dict(self) -> dict:
         """The ``config`` records and results report (the same keys as ever:
@@ -370,10 +409,12 @@ class ResolvedEviction:
             d["layer_budgets"] = {str(k): v for k, v in sorted(self.layer_budgets.items())}
         if self.coverage:
             d["coverage"] = self.coverage
+        if self.kv_bits:
+            d["kv_bits"], d["kv_group_size"] = self.kv_bits, self.kv_group_size
         return d
 
     def __hash__(self) -> int:
-        return hash((self.n_sink, self.keep, self.layers, self.coverage))
+        return hash((self.n_sink, self.keep, self.layers, self.coverage, self.kv_bits, self.kv_group_size))
 
 
 # ---- generation ----------------------------------------------------------------

@@ -22,7 +22,9 @@ from .mlx_compat import KVCache
 
 @dataclass
 class CacheStats:
-    """Totals over a cache list. Bytes are keys + values over all layers.
+    """Totals over a cache list. Bytes are keys + values over all layers, as
+    stored (``kv_bits``: packed values plus scales and biases); ``full_bytes`` is what a
+    full-precision cache without eviction would hold.
 
     ``ceiling_bytes`` is the most this cache list can ever hold for its row
     (the budget plus the row's pinned tokens: its instructions, question and
@@ -41,7 +43,14 @@ class CacheStats:
 
     @property
     def compression_ratio(self) -> float:
+        """Bytes a full-precision full cache would hold over the bytes held (eviction
+        times quantization)."""
         return self.full_bytes / self.kept_bytes if self.kept_bytes else 1.0
+
+    @property
+    def token_ratio(self) -> float:
+        """Tokens seen over tokens a layer at the base budget holds (eviction alone)."""
+        return self.tokens_seen / self.tokens_kept if self.tokens_kept else 1.0
 
 
 def _layer_bytes(c: Any) -> tuple[int, int, int, int]:
@@ -63,6 +72,8 @@ def layer_capacity(c: Any, seen: Optional[int] = None) -> Optional[int]:
     first ``seen`` positions (default: those fed so far; give the prompt plus
     ``max_tokens`` for the most the row can reach)."""
     if isinstance(c, EvictionKVCache):
+        if not c.bounded:  # kv_bits without eviction: quantized, but every token kept
+            return None
         return c.limit_at(c.offset if seen is None else max(seen, c.offset))
     max_size = getattr(c, "max_size", None)  # RotatingKVCache: a sliding window
     if isinstance(max_size, int):
@@ -86,7 +97,7 @@ def cache_stats(caches: Iterable[Any], ceiling_at: Optional[int] = None) -> Cach
             bounded = False
         else:
             ceiling += cap * row if row else kb
-        if isinstance(c, EvictionKVCache):
+        if isinstance(c, EvictionKVCache) and c.bounded:
             compressed += 1
             # the fewest: the layers at the base budget (layer_budgets may give others more)
             kept = c.tokens_kept if compressed == 1 else min(kept, c.tokens_kept)
@@ -102,6 +113,8 @@ class KVMemory:
     keeps every token)."""
 
     layers: list[tuple[int, Optional[int]]]
+    kv_bits: Optional[int] = None
+    kv_group_size: Optional[int] = None
 
     @property
     def ceiling_bytes(self) -> Optional[int]:
@@ -125,6 +138,11 @@ class KVMemory:
         return sum(row for row, cap in self.layers if cap is not None and cap > 0)
 
     def describe(self) -> str:
+        stored = (f" (keys and values stored at {self.kv_bits} bits, groups of {self.kv_group_size}; "
+                  f"sliding-window layers in full precision)" if self.kv_bits else "")
+        return self._describe() + stored
+
+    def _describe(self) -> str:
         if self.ceiling_bytes is not None:
             return (f"KV memory per row: at most {self.ceiling_bytes / 2**20:.1f} MiB for the document whatever its "
                     f"length, plus {self.pinned_bytes_per_token / 1024:.1f} KiB per pinned token (the instructions, "
@@ -141,7 +159,9 @@ def kv_memory(model: nn.Module, config: Union[EvictionConfig, ResolvedEviction, 
     caches = make_eviction_cache(model, config)
     model(mx.array([[0]]), cache=caches)
     mx.eval([c.state for c in caches])
-    return KVMemory([(_layer_bytes(c)[3], layer_capacity(c)) for c in caches])
+    bits = getattr(config, "kv_bits", None)
+    return KVMemory([(_layer_bytes(c)[3], layer_capacity(c)) for c in caches], bits,
+                    config.kv_group_size if bits else None)
 
 
 def mib(n: int) -> str:

@@ -16,7 +16,9 @@ checked by the test suite; pyproject.toml pins the range the suite ran on):
   ``token``, ``finish_reason``, ``prompt_cache``, ``progress``,
   ``end_of_prompt``): :func:`generator_step` reads them in one place;
 - each model module's module-level ``scaled_dot_product_attention``, which the
-  probe rebinds to record queries and keys (:func:`record_attention`).
+  probe rebinds to record queries and keys (:func:`record_attention`);
+- :data:`QUANTIZED_ATTENTION`: that function takes the quantized path for a cache
+  with a ``bits`` attribute (``kv_bits``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,17 @@ from mlx_lm.models.cache import (  # noqa: F401  (re-exported for the caches)
 )
 
 
+QUANTIZED_ATTENTION = (
+    "mlx_lm.models.base.scaled_dot_product_attention(queries, keys, values, cache, ...) calls "
+    "quantized_scaled_dot_product_attention when hasattr(cache, 'bits'), with cache.bits and cache.group_size; "
+    "keys and values are then mx.quantize triples (packed, scales, biases)")
+"""The contract a cache that stores ``kv_bits`` relies on: it has ``bits`` and
+``group_size`` (and a full-precision one has neither: :func:`knorm_gen.quant.mark_for_attention`),
+and returns its keys and values as ``mx.quantize`` triples. Every mlx_lm model
+that attends through ``base.scaled_dot_product_attention`` then runs
+``mx.quantized_matmul`` on them. Checked by :func:`missing_mlx_lm_protocol`."""
+
+
 def missing_mlx_lm_protocol() -> list[str]:
     """The pieces of mlx_lm this package relies on that the installed mlx_lm
     lacks; empty when all are there."""
@@ -57,6 +70,13 @@ def missing_mlx_lm_protocol() -> list[str]:
             missing.append("load_prompt_cache looking cache classes up by name in mlx_lm.models.cache")
     except (OSError, TypeError, AttributeError):
         missing.append("the source of mlx_lm.models.cache.load_prompt_cache")
+    try:
+        source = inspect.getsource(_base.scaled_dot_product_attention)
+        if 'hasattr(cache, "bits")' not in source or "cache.group_size" not in source:
+            missing.append(f"mlx_lm.models.base.scaled_dot_product_attention dispatching on the cache's bits "
+                           f"({QUANTIZED_ATTENTION})")
+    except (OSError, TypeError, AttributeError):
+        missing.append("the source of mlx_lm.models.base.scaled_dot_product_attention")
     wanted = {
         (_base, "create_attention_mask"): ("h", "cache", "window_size", "return_array"),
         (_base, "create_causal_mask"): ("N", "offset", "window_size"),
@@ -98,6 +118,16 @@ def is_full_attention(cache: Any) -> bool:
 def full_attention_layers(model: Any) -> list[int]:
     """The layers whose mlx_lm cache is a plain ``KVCache``."""
     return [i for i, c in enumerate(make_prompt_cache(model)) if is_full_attention(c)]
+
+
+def kv_head_dims(model: Any) -> list[int]:
+    """The key and value head sizes of ``model``'s full-attention layers, read from
+    one token through fresh caches (models name them differently in their args)."""
+    import mlx.core as mx
+
+    caches = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=caches)
+    return sorted({d for c in caches if is_full_attention(c) for d in (c.keys.shape[-1], c.values.shape[-1])})
 
 
 # ---- the shared-mask trap ----------------------------------------------------

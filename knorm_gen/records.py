@@ -36,7 +36,7 @@ ERROR_TYPES = (INVALID_UTF8, INVALID_JSON, LINE_TOO_LONG, INVALID_ROW, DUPLICATE
 
 STATS_FIELDS = (
     "finish_reason", "prompt_tokens", "generated_tokens", "tokens_seen", "tokens_kept", "tokens_pinned",
-    "compression_ratio", "kept_bytes", "full_bytes", "kv_ceiling_bytes", "prefill_s", "decode_s", "prompt_tps", "generation_tps",
+    "compression_ratio", "token_ratio", "kept_bytes", "full_bytes", "kv_ceiling_bytes", "prefill_s", "decode_s", "prompt_tps", "generation_tps",
     "peak_memory_gb",
 )
 RECORD_FIELDS = ("id", "completion", "answers", *STATS_FIELDS, "model", "config", "meta", "fingerprint", "error")
@@ -99,6 +99,7 @@ def question_numbers(results: Sequence[Any]) -> dict:
         "tokens_kept": peak.tokens_kept,
         "tokens_pinned": peak.tokens_pinned,
         "compression_ratio": peak.compression_ratio,
+        "token_ratio": peak.token_ratio,
         "kept_bytes": peak.kept_bytes,
         "full_bytes": peak.full_bytes,
         "kv_ceiling_bytes": None if any(r.kv_ceiling_bytes is None for r in results)

@@ -17,7 +17,10 @@ class GenerationResult:
     ``tokens_kept`` the positions a layer at the base ``budget`` holds (the fewest
     any compressed layer holds: ``early_factor`` gives the first 30% of layers more than the
     budget, and ``layer_budgets`` may give others more; ``kept_bytes`` counts them all);
-    ``compression_ratio = full_bytes / kept_bytes`` over all layers;
+    ``compression_ratio = full_bytes / kept_bytes`` over all layers, where
+    ``full_bytes`` is a full-precision cache without eviction and ``kept_bytes`` what
+    is held as stored (with ``kv_bits``: packed values plus scales and biases);
+    ``token_ratio = tokens_seen / tokens_kept`` (eviction alone);
     ``kv_ceiling_bytes`` the most this row can ever hold: the budget plus its
     pinned tokens, with the whole ``max_tokens`` answer (None when some layer
     keeps every token, so memory grows with the input); ``tokens_pinned`` the
@@ -48,6 +51,7 @@ class GenerationResult:
     """The generated token ids, the final one included (an end-of-sequence token when
     ``finish_reason`` is ``"stop"``)."""
     tokens_pinned: int = 0
+    token_ratio: float = 1.0
 
     def to_dict(self) -> dict:
         """A JSON-serialisable dict."""
@@ -62,4 +66,4 @@ class GenerationResult:
         return cls(tokens_seen=stats.tokens_seen, tokens_kept=stats.tokens_kept,
                    compression_ratio=stats.compression_ratio, kept_bytes=stats.kept_bytes,
                    full_bytes=stats.full_bytes, kv_ceiling_bytes=stats.ceiling_bytes,
-                   tokens_pinned=stats.tokens_pinned, **fields)
+                   tokens_pinned=stats.tokens_pinned, token_ratio=stats.token_ratio, **fields)

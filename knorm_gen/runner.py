@@ -18,7 +18,8 @@ from .admission import KVLimit, KVMemoryExceeded
 from .config import EvictionConfig, GenerationConfig, ResolvedEviction, RowsConfig, make_configs, settings_dict
 from .engine import Outcome, Request, run_jobs
 from .generate import prompt_request, question_request, stream_request
-from .mlx_compat import full_attention_layers
+from .mlx_compat import full_attention_layers, kv_head_dims
+from .quant import check_head_dims
 from .prompts import PromptTooLongError
 from .rows import Row, RowError
 
@@ -49,6 +50,7 @@ class RowRunner:
         self.kv = KVLimit(model, kv_limit_bytes) if kv_limit_bytes is not None else None
         self.full_layers = tuple(full_attention_layers(model))
         self._settings: dict = {}
+        self._head_dims: Optional[list[int]] = None  # read once, when a row first asks for kv_bits
         self._fingerprints: dict[str, Optional[str]] = {}
         self.base = self.settings_for({})  # ValueError: the run's own settings do not fit the model
 
@@ -59,6 +61,10 @@ class RowRunner:
         if key not in self._settings:
             eviction, generation = make_configs(self.eviction, self.generation, **overrides)
             resolved = eviction.resolved(len(self.model.layers), self.full_layers)
+            if resolved.kv_bits:
+                if self._head_dims is None:
+                    self._head_dims = kv_head_dims(self.model)
+                check_head_dims(self._head_dims, resolved.kv_group_size)
             self._settings[key] = RowSettings(resolved, generation, settings_dict(resolved, generation, self.rows))
         return self._settings[key]
 

@@ -9,7 +9,8 @@ from mlx_lm.models import llama
 from knorm_gen.scores import BLEND_WEIGHT
 
 
-def tiny_llama(layers: int = 3, seed: int = 0, layer_types=None, sliding_window=None, vocab: int = 97):
+def tiny_llama(layers: int = 3, seed: int = 0, layer_types=None, sliding_window=None, vocab: int = 97,
+               head_dim: int = 16):
     """A small random llama in float32; outputs are deterministic for a seed."""
     mx.random.seed(seed)
     args = llama.ModelArgs(
@@ -19,7 +20,7 @@ def tiny_llama(layers: int = 3, seed: int = 0, layer_types=None, sliding_window=
         intermediate_size=128,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         rms_norm_eps=1e-5,
         vocab_size=vocab,
         layer_types=layer_types,
@@ -86,7 +87,7 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_model_dir(path, layers: int = 4, seed: int = 0):
+def make_tiny_model_dir(path, layers: int = 4, seed: int = 0, head_dim: int = 16):
     """An mlx_lm model folder (config, safetensors, tokenizer) holding a tiny random
     llama with a byte-level tokenizer: ``--model <path>`` loads it in any process,
     in well under a second, so runner tests need no real weights."""
@@ -109,9 +110,9 @@ def make_tiny_model_dir(path, layers: int = 4, seed: int = 0):
                                  eos_token="<|im_end|>", bos_token=None)
     hf.save_pretrained(str(path))
     vocab = tok.get_vocab_size()
-    model = tiny_llama(layers=layers, seed=seed, vocab=vocab)
+    model = tiny_llama(layers=layers, seed=seed, vocab=vocab, head_dim=head_dim)
     config = dict(model_type="llama", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-5,
                   vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=True)
     save_model(path, model)
     save_config(config, path / "config.json")
