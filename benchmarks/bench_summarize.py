@@ -8,6 +8,7 @@ Arms (one instruction for every document, greedy, the same max_tokens):
              --batch-size 8, the default eviction settings; each document's context is
              compressed once and its question never evicted
   ours_b1    the same at --batch-size 1
+  ours_b8_q4 ours_b8 with --kv-bits 4 (the kept keys and values stored 4-bit, groups of 64)
   mlx_b8     what an mlx_lm user runs today: batch_generate with full caches, the
              instruction first and the document after it, batch 8
   mlx_kv     batch_generate with max_kv_size=budget (mlx_lm's RotatingKVCache), same prompts
@@ -51,7 +52,8 @@ from documents import documents  # noqa: E402
 
 QUESTION = "Summarize the documentation above in three sentences."
 INSTRUCTION_FIRST = "Summarize the following documentation in three sentences.\n\n"
-ARMS = ("ours_b8", "ours_b1", "mlx_b8", "mlx_kv")
+ARMS = ("ours_b8", "ours_b1", "mlx_b8", "mlx_kv", "ours_b8_q4")
+KV_GROUP = 64
 
 
 def _write(path: Path, result: dict) -> None:
@@ -67,12 +69,13 @@ def _bytes_per_position(model) -> int:
     return sum((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in caches)
 
 
-def run_ours(model, tok, docs, batch_size: int, budget: int, max_tokens: int) -> dict:
+def run_ours(model, tok, docs, batch_size: int, budget: int, max_tokens: int, kv_bits=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         inp = Path(tmp) / "docs.jsonl"
         inp.write_text("".join(json.dumps({"id": d.name, "text": d.text}) + "\n" for d in docs))
         out = Path(tmp) / "out.jsonl"
-        options = BatchOptions(eviction=EvictionConfig(budget=budget), generation=GenerationConfig(max_tokens=max_tokens),
+        eviction = EvictionConfig(budget=budget, kv_bits=kv_bits, kv_group_size=KV_GROUP)
+        options = BatchOptions(eviction=eviction, generation=GenerationConfig(max_tokens=max_tokens),
                                batch_size=batch_size, rows=RowsConfig(questions=(QUESTION,), context_field="text"))
         mx.reset_peak_memory()
         tic = time.perf_counter()
@@ -86,6 +89,7 @@ def run_ours(model, tok, docs, batch_size: int, budget: int, max_tokens: int) ->
     return {"wall_s": wall, "peak_memory_gb": peak, "generated_tokens": sum(r["generated_tokens"] for r in records),
             "kv_bytes_max": max(r["kept_bytes"] for r in records),
             "kv_bytes_mean": sum(r["kept_bytes"] for r in records) / len(records),
+            "prefill_s": prefill, "decode_s": decode,
             "prefill_share": prefill / (prefill + decode), "decode_share": decode / (prefill + decode),
             "texts": {r["id"]: r["answers"][0]["answer"] for r in records}}
 
@@ -110,6 +114,7 @@ def run_mlx(model, tok, docs, batch_size: int, max_tokens: int, max_kv_size=None
     prefill, decode = stats.prompt_time, stats.decode_time
     return {"wall_s": wall, "peak_memory_gb": peak, "generated_tokens": sum(len(t) for t in response.token_ids),
             "kv_bytes_max": per_position * max(held), "kv_bytes_mean": per_position * sum(held) / len(held),
+            "prefill_s": prefill, "decode_s": decode,
             "prefill_share": prefill / (prefill + decode), "decode_share": decode / (prefill + decode),
             "texts": {d.name: text for d, text in zip(docs, response.texts)}}
 
@@ -148,6 +153,10 @@ def fidelity(model, tok, doc, budget: int, max_tokens: int) -> dict:
     ours = pin_caches(prefill(model, context, make_eviction_cache(model, EvictionConfig(budget=budget), spans)))
     out["ours_compression"] = cache_stats(ours).compression_ratio
     out["ours"] = _nll(model, ours, question + ref, len(ref))
+    q4 = EvictionConfig(budget=budget, kv_bits=4, kv_group_size=KV_GROUP)
+    ours_q4 = pin_caches(prefill(model, context, make_eviction_cache(model, q4, spans)))
+    out["ours_q4_compression"] = cache_stats(ours_q4).compression_ratio
+    out["ours_q4"] = _nll(model, ours_q4, question + ref, len(ref))
     first = encode_prompt(tok, INSTRUCTION_FIRST + doc.text)  # mlx arms: instruction first, then the document
     out["mlx_full"] = _nll(model, prefill(model, first[:-1], make_prompt_cache(model)), first[-1:] + ref, len(ref))
     out["mlx_kv"] = _nll(model, prefill(model, first[:-1], _rotating(model, budget)), first[-1:] + ref, len(ref))
@@ -190,7 +199,8 @@ def main(argv=None) -> dict:
         if arm in result["arms"]:
             continue
         if arm.startswith("ours"):
-            row = run_ours(model, tok, docs, int(arm[len("ours_b"):]), budget, max_tokens)
+            size, _, bits = arm[len("ours_b"):].partition("_q")
+            row = run_ours(model, tok, docs, int(size), budget, max_tokens, int(bits) if bits else None)
         elif arm == "mlx_b8":
             row = run_mlx(model, tok, docs, 8, max_tokens)
         elif arm == "mlx_kv":
@@ -209,7 +219,7 @@ def main(argv=None) -> dict:
             continue
         rows.append(fidelity(model, tok, doc, budget, max_tokens))
         log(f"fidelity {doc.name}: " + " ".join(f"{k} {rows[-1][k]:.3f}" for k in
-                                                ("full", "ours", "mlx_full", "mlx_kv", "none")))
+                                                ("full", "ours", "ours_q4", "mlx_full", "mlx_kv", "none")))
         _write(out, result)
     arms = result["arms"]
     ratios = {}
@@ -218,8 +228,21 @@ def main(argv=None) -> dict:
     if "ours_b8" in arms and "mlx_b8" in arms:
         ratios["ours_b8_vs_mlx_b8_rows_per_hour"] = arms["ours_b8"]["rows_per_hour"] / arms["mlx_b8"]["rows_per_hour"]
         ratios["ours_b8_vs_mlx_b8_peak_memory"] = arms["ours_b8"]["peak_memory_gb"] / arms["mlx_b8"]["peak_memory_gb"]
+    if "ours_b8" in arms and "mlx_kv" in arms:
+        ratios["ours_b8_vs_mlx_kv_rows_per_hour"] = arms["ours_b8"]["rows_per_hour"] / arms["mlx_kv"]["rows_per_hour"]
+    for arm in ("ours_b8_q4",):
+        if arm in arms:
+            for other in ("ours_b8", "mlx_b8", "mlx_kv"):
+                if other in arms:
+                    ratios[f"{arm}_vs_{other}_rows_per_hour"] = arms[arm]["rows_per_hour"] / arms[other]["rows_per_hour"]
+                    ratios[f"{arm}_vs_{other}_peak_memory"] = arms[arm]["peak_memory_gb"] / arms[other]["peak_memory_gb"]
+            if "ours_b8" in arms and "prefill_s" in arms["ours_b8"]:
+                for phase in ("prefill_s", "decode_s"):
+                    ratios[f"{arm}_vs_ours_b8_{phase}"] = arms[arm][phase] / arms["ours_b8"][phase]
+                ratios[f"{arm}_vs_ours_b8_kv_bytes"] = arms[arm]["kv_bytes_max"] / arms["ours_b8"]["kv_bytes_max"]
     result["ratios"] = ratios
-    result["recovered"] = {arm: recovered(rows, arm) for arm in ("ours", "mlx_full", "mlx_kv")} if rows else {}
+    result["recovered"] = {arm: recovered([r for r in rows if arm in r], arm)
+                           for arm in ("ours", "ours_q4", "mlx_full", "mlx_kv")} if rows else {}
     _write(out, result)
     log(json.dumps({"ratios": ratios, "recovered": result["recovered"]}, indent=1))
     return result

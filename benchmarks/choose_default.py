@@ -2,6 +2,7 @@
 
     python benchmarks/choose_default.py --model default --split tune            # every candidate
     python benchmarks/choose_default.py --model default --split heldout --arms low_cov25,keydiff,random
+    python benchmarks/choose_default.py --model default --split heldout --arms blend_cov25,blend_cov25@q8,blend_cov25@q4
     python benchmarks/choose_default.py --report results/choose_default-*.json   # markdown tables
 
 The documents of ``benchmarks/documents.py`` are split by position: even ones are the
@@ -9,7 +10,9 @@ tuning split, odd ones the held-out split; fillers are split the same way (tune:
 grass, ledger; held-out: harbor, recipe). Each document is cut to its first
 ``--doc-tokens`` tokens. Every arm runs through the product's prefill path
 (:mod:`knorm_gen.tune`); results go to results/choose_default-<model>-<split>.json,
-checkpointed after each case (``--add-to`` continues a run).
+checkpointed after each case (``--add-to`` continues a run). An arm ``NAME@qB``
+is candidate NAME with its kept keys and values stored at B bits (``kv_bits``,
+groups of 64).
 """
 
 from __future__ import annotations
@@ -27,6 +30,14 @@ from documents import documents  # benchmarks/documents.py
 
 RESULTS = Path(__file__).parent / "results"
 SPLIT_FILLERS = {"tune": ("grass", "ledger"), "heldout": ("harbor", "recipe")}
+
+
+def arm_fields(name: str) -> dict:
+    """The config fields of an arm: a candidate, or ``candidate@q4`` / ``@q8`` (kv_bits)."""
+    base, _, bits = name.partition("@q")
+    if base not in CANDIDATES or bits not in ("", "4", "8"):
+        raise SystemExit(f"unknown arm {name!r}: a candidate ({', '.join(CANDIDATES)}), optionally with @q4 or @q8")
+    return {**CANDIDATES[base], **({"kv_bits": int(bits), "kv_group_size": 64} if bits else {})}
 
 
 def merged(paths) -> list[dict]:
@@ -105,7 +116,7 @@ def main(argv=None) -> dict:
     all_docs = documents(tok)
     split = all_docs[0::2] if args.split == "tune" else all_docs[1::2]
     docs = [Doc(d.name, head_tokens(tok, d.text, args.doc_tokens)) for d in split[: args.docs]]
-    arms = {a: CANDIDATES[a] for a in args.arms.split(",") if a}
+    arms = {a: arm_fields(a) for a in args.arms.split(",") if a}
     out = Path(args.out or RESULTS / f"choose_default-{args.model}-{args.split}.json")
     done = json.loads(Path(args.add_to).read_text())["rows"] if args.add_to else []
     tuner = Tuner(model, tok, arms, ratio=args.ratio, log=lambda m: print(m, file=sys.stderr, flush=True),

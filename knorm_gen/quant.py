@@ -187,3 +187,12 @@ def mark_for_attention(cache, bits: Optional[int], group_size: int) -> None:
     else:
         for name in ("bits", "group_size"):
             cache.__dict__.pop(name, None)
+
+
+def bytes_per_vector(dim: int, dtype_bytes: int, bits: Optional[int] = None, group_size: int = 64) -> int:
+    """Bytes one head's key (or value) of ``dim`` elements takes: ``dim * dtype_bytes``
+    in full precision; with ``bits``, the packed values plus one scale and one bias
+    (in the model's dtype) per group. For layouts computed from a model's shapes."""
+    if not bits:
+        return dim * dtype_bytes
+    return dim * bits // 8 + 2 * (dim // group_size) * dtype_bytes

@@ -124,6 +124,12 @@ def tiny_model_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir_64(tmp_path_factory):
+    """The same tiny model with heads of 64: every kv_group_size divides it but 128."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model-64"), head_dim=64)
+
+
 @pytest.fixture(scope="module")
 def cache_root(tmp_path_factory):
     """A fresh GGUF conversion cache (KNORM_CACHE_DIR) for one test module."""

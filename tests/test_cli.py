@@ -314,10 +314,12 @@ FIELD_VALUES = {
     "questions": ("Why?", ["Why?"], "questions", ["Why?"]),
     "context_field": ("text", "text", "context_field", "text"),
     "pin_prefix_chars": ("5", 5, "pin_prefix_chars", 5),
+    "kv_bits": ("8", 8, "kv_bits", 8),
+    "kv_group_size": ("32", 32, "kv_group_size", 32),
 }
 
 
-def test_every_config_field_is_reachable_from_the_cli_and_job_files(tmp_path, tiny_model_dir):
+def test_every_config_field_is_reachable_from_the_cli_and_job_files(tmp_path, tiny_model_dir, tiny_model_dir_64):
     from dataclasses import fields
 
     from knorm_gen.config import EvictionConfig, GenerationConfig, RowsConfig
@@ -330,17 +332,20 @@ def test_every_config_field_is_reachable_from_the_cli_and_job_files(tmp_path, ti
         base = {"budget": 16, "max_tokens": 2} if name not in ("budget", "max_tokens") else {}
         if name == "early_factor":
             base["budget"] = 16
+        model_dir = tiny_model_dir_64 if name.startswith("kv_") else tiny_model_dir  # groups divide head_dim
+        if name == "kv_group_size":
+            base["kv_bits"] = 8  # the group size is recorded with the bits it groups
         section = ("eviction" if name in [f.name for f in fields(EvictionConfig)] else
                    "rows" if name in [f.name for f in fields(RowsConfig)] else "generation")
         flag = "question" if name == "questions" else name
         args = [text] if text.startswith("--") else [f"--{flag.replace('_', '-')}", text]
         flag_out = tmp_path / f"{name}.flags.jsonl"
-        result = invoke(inp, "-o", flag_out, "--model", tiny_model_dir, "--batch-size", "1", "-q", *args,
+        result = invoke(inp, "-o", flag_out, "--model", model_dir, "--batch-size", "1", "-q", *args,
                         *[a for k, v in base.items() for a in (f"--{k.replace('_', '-')}", str(v))])
         assert result.exit_code == 0, (name, result.stderr)
         job = tmp_path / f"{name}.toml"
-        job.write_text(f'model = {json.dumps(str(tiny_model_dir))}\nbatch_size = 1\n'
-                       f"[eviction]\n" + "".join(f"{k} = {v}\n" for k, v in base.items() if k == "budget")
+        job.write_text(f'model = {json.dumps(str(model_dir))}\nbatch_size = 1\n'
+                       f"[eviction]\n" + "".join(f"{k} = {v}\n" for k, v in base.items() if k in ("budget", "kv_bits"))
                        + (f"{name} = {_toml(toml_value)}\n" if section == "eviction" else "")
                        + "[generation]\n" + "".join(f"{k} = {v}\n" for k, v in base.items() if k == "max_tokens")
                        + (f"{name} = {_toml(toml_value)}\n"

@@ -18,7 +18,7 @@ from knorm_gen.cache import copy_caches
 from knorm_gen.cache import BatchEvictionKVCache, EvictionKVCache  # noqa: E402
 from knorm_gen.quant import dequantize
 
-from .conftest import make_tiny_model_dir, random_tokens, tiny_llama
+from .conftest import random_tokens, tiny_llama
 
 HEADS, DIM = 2, 64
 
@@ -214,9 +214,9 @@ def test_group_size_must_divide_the_head_dimension():
         EvictionConfig(kv_bits=4, kv_group_size=128).for_model(model)
 
 
-@pytest.fixture(scope="module")
-def model64(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("m64"), head_dim=64)
+@pytest.fixture
+def model64(tiny_model_dir_64):
+    return tiny_model_dir_64
 
 
 @pytest.mark.parametrize("args,needle", [
