@@ -54,7 +54,7 @@ def run(tmp_path, rows, name="in.jsonl", **kw):
 
 # Every record's keys, in this order (README, "Output records"; tokens_pinned after tokens_kept).
 FIELDS = ("id", "completion", "answers", "finish_reason", "prompt_tokens", "generated_tokens", "tokens_seen",
-          "tokens_kept", "tokens_pinned", "compression_ratio", "kept_bytes", "full_bytes", "kv_ceiling_bytes",
+          "tokens_kept", "tokens_pinned", "compression_ratio", "token_ratio", "kept_bytes", "full_bytes", "kv_ceiling_bytes",
           "prefill_s", "decode_s", "prompt_tps", "generation_tps", "peak_memory_gb", "model", "config", "meta",
           "fingerprint", "error")
 
@@ -111,6 +111,7 @@ def test_records_match_hand_built_records_and_share_one_shape(tmp_path, mt):
     assert want["tokens_kept"] < want["tokens_seen"]  # this row does evict
     assert {k: p[k] for k in want} == want
     assert p["compression_ratio"] == pytest.approx(p["full_bytes"] / p["kept_bytes"])
+    assert p["token_ratio"] == pytest.approx(want["tokens_seen"] / want["tokens_kept"])
     assert p["meta"] == {"source": "test"} and p["model"] == MODEL["spec"] and p["error"] is None
     # the default bounds every layer with blend (KeyDiff + the paper's norm) and a quarter as coverage
     assert p["config"]["budget"] == 16 and p["config"]["max_tokens"] == 2 and p["config"]["skip_layers"] == []

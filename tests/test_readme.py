@@ -131,17 +131,22 @@ def test_make_targets_named_in_readme_exist():
 def test_memory_block_prints_true_numbers(executed):
     ns, outputs = executed
     row = 3 * 64 * 2 * 4  # SmolLM2-135M: 3 KV heads x 64 dims x (key + value) x 4 bytes, per layer
-    lengths = (1024, 4096, 8192, 16384)
-    positions = {  # per layout: positions held over all 30 layers after n tokens, and the ceiling
-        "full": (lambda n: 30 * n, None),
-        "default": (lambda n: 30 * min(n, 512), 30 * 512),
-        "retrieval": (lambda n: 9 * n + 21 * min(n, 512), None),
-        "paper": (lambda n: 2 * n + 28 * min(n, 512), None),
-        "early_factor=8": (lambda n: 9 * min(n, 4096) + 21 * min(n, 512), 9 * 4096 + 21 * 512),
+    # quantized, per head and vector: 64 dims at 4 or 8 bits, then a float32 scale and bias per group of 64
+    q4, q8 = 3 * 2 * (64 * 4 // 8 + 2 * 4), 3 * 2 * (64 * 8 // 8 + 2 * 4)
+    lengths = (4096, 8192, 32768)
+    positions = {  # per layout: positions held over all 30 layers after n tokens, the ceiling, bytes per position
+        "full": (lambda n: 30 * n, None, row),
+        "default": (lambda n: 30 * min(n, 512), 30 * 512, row),
+        "retrieval": (lambda n: 9 * n + 21 * min(n, 512), None, row),
+        "paper": (lambda n: 2 * n + 28 * min(n, 512), None, row),
+        "early_factor=8": (lambda n: 9 * min(n, 4096) + 21 * min(n, 512), 9 * 4096 + 21 * 512, row),
+        "full, kv_bits=4": (lambda n: 30 * n, None, q4),
+        "default, kv_bits=8": (lambda n: 30 * min(n, 512), 30 * 512, q8),
+        "default, kv_bits=4": (lambda n: 30 * min(n, 512), 30 * 512, q4),
     }
     assert list(ns["layouts"]) == list(positions)
-    expected = [f"{name} {[round(row * held(n) / 2**20, 1) for n in lengths]} {None if cap is None else row * cap}"
-                for name, (held, cap) in positions.items()]
+    expected = [f"{name} {[round(size * held(n) / 2**20, 1) for n in lengths]} {None if cap is None else size * cap}"
+                for name, (held, cap, size) in positions.items()]
     assert block_output(executed, "kv_memory(") == expected
 
 
