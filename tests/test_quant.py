@@ -259,3 +259,23 @@ def test_batch_of_rows_equals_each_row_alone_and_bytes_shrink(tmp_path, model64)
         assert a["kept_bytes"] <= 0.3 * fp["kept_bytes"], (a["kept_bytes"], fp["kept_bytes"])
         assert a["full_bytes"] == fp["full_bytes"] and a["kept_bytes"] <= a["kv_ceiling_bytes"]
         assert a["token_ratio"] == pytest.approx(a["tokens_seen"] / a["tokens_kept"])
+
+
+def test_a_row_may_set_kv_bits_and_a_bad_one_is_its_own_error_record(tmp_path, model64):
+    from knorm_gen.cli import batch_command as main
+
+    rows = tmp_path / "in.jsonl"
+    text = "Summarize: " + "alpha beta gamma " * 40
+    rows.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"id": "plain", "prompt": text}, {"id": "q4", "prompt": text, "kv_bits": 4},
+        {"id": "bad", "prompt": text, "kv_bits": 3})))
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(main, [str(rows), "--model", str(model64), "--budget", "32", "--max-tokens", "4",
+                                       "--batch-size", "4", "--output", str(out)])
+    assert result.exit_code == 1, result.output  # one row failed, the others ran
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert records["bad"]["error"]["type"] == "invalid_row"
+    assert "field 'kv_bits' must be 4, 8 or null" in records["bad"]["error"]["message"]
+    assert "kv_bits" not in records["plain"]["config"] and records["q4"]["config"]["kv_bits"] == 4
+    assert records["q4"]["kept_bytes"] <= 0.3 * records["plain"]["kept_bytes"]
+    assert records["q4"]["tokens_kept"] == records["plain"]["tokens_kept"]
