@@ -35,9 +35,9 @@ import mlx.nn as nn
 
 from .config import EvictionConfig, ResolvedEviction, validate_eviction_args
 from .mlx_compat import _BaseCache, create_attention_mask, make_prompt_cache, register_cache_class
-from .scores import (ALL_EVICTABLE, ANCHORED, PAD, PROTECTED, Spans, anchor_sum, block_ranks, capacity,
-                     check_spans, cover_slots, evict_key, open_ended, pin_from, pinned_count, rank_positions,
-                     rescore, running_anchor, span_array)
+from .scores import (ALL_EVICTABLE, PAD, PROTECTED, RUNNING, Spans, block_ranks, capacity, check_spans,
+                     cover_slots, evict_key, open_ended, pin_from, pinned_count, rank_positions, rescore,
+                     running_reference, running_update, running_zeros, span_array)
 
 
 @register_cache_class  # load_prompt_cache rebuilds caches by class name from mlx_lm's cache module
@@ -50,15 +50,16 @@ class EvictionKVCache(_BaseCache):
     Over the limit it keeps the smallest ``(score, position)`` pairs, where the
     score is the rule's: the key's L2 norm (``keep="low"``, the paper's rule),
     its negation (``"high"``), a random draw (``"random"``), the negated
-    position (``"recent"``), or the cosine to the head's mean unit key
-    (``"keydiff"``, ``"blend"``: see :mod:`knorm_gen.scores` for the anchor).
+    position (``"recent"``), the cosine to the head's mean unit key
+    (``"keydiff"``, ``"blend"``: see :mod:`knorm_gen.scores` for the anchor), or
+    minus the key's leverage against the keys seen (``"leverage"``).
     Never evicted: the first ``n_sink`` positions, the last ``recent`` ones, and
     every position outside ``spans`` (the row's document: the instructions around
     it are pinned and held on top of the budget, so the limit is ``budget`` plus
     the pinned tokens seen). ``coverage`` keeps a share of the budget evenly
     spread over the positions seen (:func:`knorm_gen.scores.cover`). Scores are
-    float32; the norm rules score a token once, when it is inserted, the anchored
-    ones also re-score the held keys at every block.
+    float32; the norm rules score a token once, when it is inserted, the ones
+    with running state (``scores.RUNNING``) also re-score the held keys at every block.
     """
 
     def __init__(self, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
@@ -77,7 +78,8 @@ class EvictionKVCache(_BaseCache):
         self.free: Optional[mx.array] = None
         self.count = 0  # rows held per (batch row, head)
         self.offset = 0  # absolute positions processed (RoPE needs the true one)
-        # keydiff/blend: the sum of the unit keys of every token seen, (B, H, D) float32
+        # The running state of the rules in scores.RUNNING over every token seen, float32:
+        # keydiff/blend the sum of the unit keys (B, H, D), leverage its scatter, inverse and mean.
         self.key_sum: Optional[mx.array] = None
 
     # ---- mlx_lm protocol -------------------------------------------------
@@ -85,10 +87,9 @@ class EvictionKVCache(_BaseCache):
         n = keys.shape[2]
         anchor = None
         spans = self._span_array()
-        if self.keep in ANCHORED:
-            part = anchor_sum(keys)
-            self.key_sum = part if self.key_sum is None else self.key_sum + part
-            anchor = running_anchor(self.key_sum, self.offset + n)
+        if self.keep in RUNNING:
+            self.key_sum = running_update(self.keep, self.key_sum, keys, self.offset)
+            anchor = running_reference(self.keep, self.key_sum, self.offset + n)
             if n > 1 and self.keys is not None and self.count:  # one anchor for every score a block compares
                 self._compact()
                 held = self.rank[:, :, : self.count]
@@ -165,8 +166,9 @@ class EvictionKVCache(_BaseCache):
         if not self.is_trimmable():
             return 0
         n = min(self.count, n)
-        if self.key_sum is not None and n:  # nothing was evicted: the trimmed keys are the last ones held
-            self.key_sum = self.key_sum - anchor_sum(self.keys[:, :, self.count - n : self.count])
+        if self.key_sum is not None and n:  # nothing was evicted: the keys left are every key seen, in order
+            left = self.keys[:, :, : self.count - n]
+            self.key_sum = running_update(self.keep, None, left, 0) if self.count > n else None
         self.count -= n
         self.offset -= n
         return n
@@ -366,7 +368,7 @@ class BatchEvictionKVCache(_BaseCache):
         self.free: Optional[mx.array] = None  # (B, H) the hole of each (row, head)
         self._lengths: Optional[list[int]] = None  # prepare(): real tokens per row, padded call
         self._consumed = 0
-        self.key_sum: Optional[mx.array] = None  # keydiff/blend: (B, H, D) sum of each row's unit keys
+        self.key_sum: Optional[mx.array] = None  # each row's running state (scores.RUNNING), as EvictionKVCache
         self._sync_offset()
 
     # ---- mlx_lm batch protocol -----------------------------------------------
@@ -498,7 +500,7 @@ class BatchEvictionKVCache(_BaseCache):
             ranks.append(mx.pad(r, [(0, 0), (0, 0), (0, pad)], constant_values=PAD))
         out.keys, out.values, out.rank = (mx.concatenate(x) for x in (keys, values, ranks))
         if out.key_sum is not None:
-            zero = mx.zeros((1, k0.shape[1], k0.shape[3]), mx.float32)
+            zero = running_zeros(out.keep, 1, k0.shape[1], k0.shape[3])
             out.key_sum = mx.concatenate([zero if c.key_sum is None else c.key_sum for c in caches])
         return out
 
@@ -556,8 +558,8 @@ class BatchEvictionKVCache(_BaseCache):
         self.keys = mx.zeros((b, heads, capacity, dk), dtype)
         self.values = mx.zeros((b, heads, capacity, dv), dtype)
         self.rank = mx.full((b, heads, capacity), PAD, dtype=mx.int64)
-        if self.keep in ANCHORED:
-            self.key_sum = mx.zeros((b, heads, dk), mx.float32)
+        if self.keep in RUNNING:
+            self.key_sum = running_zeros(self.keep, b, heads, dk)
 
     def _grow_to(self, capacity: int) -> None:
         grow = capacity - self.keys.shape[2]
@@ -596,8 +598,8 @@ class BatchEvictionKVCache(_BaseCache):
             self._grow_to(capacity(need, max(self._limits()) + 1, any(open_ended(s) for s in self.spans)))
         anchor = None
         if self.key_sum is not None:
-            self.key_sum = self.key_sum + anchor_sum(keys)
-            anchor = running_anchor(self.key_sum, [s + 1 for s in self.seen])
+            self.key_sum = running_update(self.keep, self.key_sum, keys, self.seen)
+            anchor = running_reference(self.keep, self.key_sum, [s + 1 for s in self.seen])
         rank = block_ranks(self.keep, self.n_sink, keys, mx.array(self.seen, dtype=mx.int64), anchor,
                            span_array(self.spans))
         at = slot[..., None, None]
@@ -637,8 +639,8 @@ class BatchEvictionKVCache(_BaseCache):
         spans = span_array(self.spans)
         anchor = None
         if self.key_sum is not None:
-            self.key_sum = self.key_sum + anchor_sum(keys, mx.array(real))
-            anchor = running_anchor(self.key_sum, [s + r for s, r in zip(self.seen, real)])
+            self.key_sum = running_update(self.keep, self.key_sum, keys, self.seen, real)
+            anchor = running_reference(self.keep, self.key_sum, [s + r for s, r in zip(self.seen, real)])
             if width and any(r > 1 for r in real):  # as a row alone: held keys re-scored when >1 token arrives
                 held = self.rank[:, :, :width]
                 again = rescore(self.keep, self.n_sink, self.keys[:, :, :width], held, anchor, spans)
