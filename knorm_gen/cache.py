@@ -152,10 +152,11 @@ class EvictionKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated now (key/value buffers and ranks)."""
+        """Bytes allocated now (key/value buffers, ranks and the rule's running state)."""
         if self.keys is None:
             return 0
-        return self.keys.nbytes + self.values.nbytes + self.rank.nbytes
+        state = 0 if self.key_sum is None else self.key_sum.nbytes
+        return self.keys.nbytes + self.values.nbytes + self.rank.nbytes + state
 
     def is_trimmable(self) -> bool:
         # Trimming is only honest while nothing has been evicted: an evicted
@@ -540,7 +541,8 @@ class BatchEvictionKVCache(_BaseCache):
     def nbytes(self) -> int:
         if self.keys is None:
             return 0
-        return self.keys.nbytes + self.values.nbytes + self.rank.nbytes
+        state = 0 if self.key_sum is None else self.key_sum.nbytes
+        return self.keys.nbytes + self.values.nbytes + self.rank.nbytes + state
 
     def is_trimmable(self) -> bool:
         return False
