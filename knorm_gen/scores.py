@@ -100,8 +100,9 @@ depend on the keys' scale, and a direction in which the keys barely vary does no
 rank them by noise. It bounds the matrix's condition number by D / LEVERAGE_RIDGE
 + 1, which keeps float32 within float64's reach: on the embedded model's keys
 (layers 2-29, 2,048 tokens in 512-token blocks, or one block and 1,536 decode
-steps) the scores differed by at most 3e-6 (relative), on anisotropic D = 256 keys
-by 3e-5; with 1e-3 the latter reached 2e-4 (``benchmarks/bench_rules.py`` prints it)."""
+steps) the scores differed by at most 3e-6 (relative), on synthetic anisotropic
+keys of D = 64 and 256 by at most 5e-5 (``benchmarks/bench_rules.py`` prints it);
+a ridge of 1e-3 let the latter reach 2e-4."""
 
 LEVERAGE_REFRESH = 256
 """Decode steps update ``leverage``'s inverse in O(D^2) (Sherman-Morrison, λ held);
