@@ -37,9 +37,9 @@ from .config import EvictionConfig, ResolvedEviction, validate_eviction_args
 from . import quant
 from .mlx_compat import _BaseCache, create_attention_mask, is_full_attention, make_prompt_cache, register_cache_class
 from .quant import Stored
-from .scores import (ALL_EVICTABLE, ANCHORED, PAD, PROTECTED, Spans, anchor_sum, block_ranks, capacity,
-                     check_spans, cover_slots, evict_key, open_ended, pin_from, pinned_count, rank_positions,
-                     rescore, running_anchor, span_array)
+from .scores import (ALL_EVICTABLE, PAD, PROTECTED, RUNNING, Spans, block_ranks, capacity, check_spans,
+                     cover_slots, evict_key, open_ended, pin_from, pinned_count, rank_positions, rescore,
+                     running_reference, running_update, running_zeros, span_array)
 
 
 UNBOUNDED = 1 << 40
@@ -57,15 +57,16 @@ class EvictionKVCache(_BaseCache):
     Over the limit it keeps the smallest ``(score, position)`` pairs, where the
     score is the rule's: the key's L2 norm (``keep="low"``, the paper's rule),
     its negation (``"high"``), a random draw (``"random"``), the negated
-    position (``"recent"``), or the cosine to the head's mean unit key
-    (``"keydiff"``, ``"blend"``: see :mod:`knorm_gen.scores` for the anchor).
+    position (``"recent"``), the cosine to the head's mean unit key
+    (``"keydiff"``, ``"blend"``: see :mod:`knorm_gen.scores` for the anchor), or
+    minus the key's leverage against the keys seen (``"leverage"``).
     Never evicted: the first ``n_sink`` positions, the last ``recent`` ones, and
     every position outside ``spans`` (the row's document: the instructions around
     it are pinned and held on top of the budget, so the limit is ``budget`` plus
     the pinned tokens seen). ``coverage`` keeps a share of the budget evenly
     spread over the positions seen (:func:`knorm_gen.scores.cover`). Scores are
-    float32; the norm rules score a token once, when it is inserted, the anchored
-    ones also re-score the held keys at every block.
+    float32; the norm rules score a token once, when it is inserted, the ones
+    with running state (``scores.RUNNING``) also re-score the held keys at every block.
     """
 
     def __init__(self, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
@@ -87,7 +88,8 @@ class EvictionKVCache(_BaseCache):
         self.free: Optional[mx.array] = None
         self.count = 0  # rows held per (batch row, head)
         self.offset = 0  # absolute positions processed (RoPE needs the true one)
-        # keydiff/blend: the sum of the unit keys of every token seen, (B, H, D) float32
+        # The running state of the rules in scores.RUNNING over every token seen, float32:
+        # keydiff/blend the sum of the unit keys (B, H, D), leverage its scatter, inverse and mean.
         self.key_sum: Optional[mx.array] = None
 
     # ---- mlx_lm protocol -------------------------------------------------
@@ -95,10 +97,9 @@ class EvictionKVCache(_BaseCache):
         n = keys.shape[2]
         anchor = None
         spans = self._span_array()
-        if self.keep in ANCHORED:
-            part = anchor_sum(keys)
-            self.key_sum = part if self.key_sum is None else self.key_sum + part
-            anchor = running_anchor(self.key_sum, self.offset + n)
+        if self.keep in RUNNING:
+            self.key_sum = running_update(self.keep, self.key_sum, keys, self.offset)
+            anchor = running_reference(self.keep, self.key_sum, self.offset + n)
             if n > 1 and self.keys is not None and self.count:  # one anchor for every score a block compares
                 self._compact()
                 held = self.rank[:, :, : self.count]
@@ -169,10 +170,11 @@ class EvictionKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated now (key/value buffers, quantized when they are, and ranks)."""
+        """Bytes allocated now (key/value buffers, quantized when they are, ranks and the rule's running state)."""
         if self.keys is None:
             return 0
-        return quant.nbytes(self.keys) + quant.nbytes(self.values) + self.rank.nbytes
+        state = 0 if self.key_sum is None else self.key_sum.nbytes
+        return quant.nbytes(self.keys) + quant.nbytes(self.values) + self.rank.nbytes + state
 
     def is_trimmable(self) -> bool:
         # Trimming is only honest while nothing has been evicted: an evicted
@@ -183,8 +185,9 @@ class EvictionKVCache(_BaseCache):
         if not self.is_trimmable():
             return 0
         n = min(self.count, n)
-        if self.key_sum is not None and n:  # nothing was evicted: the trimmed keys are the last ones held
-            self.key_sum = self.key_sum - anchor_sum(self._float_keys(self.count, self.count - n))
+        if self.key_sum is not None and n:  # nothing was evicted: the keys left are every key seen, in order
+            left = self._float_keys(self.count - n)
+            self.key_sum = running_update(self.keep, None, left, 0) if self.count > n else None
         self.count -= n
         self.offset -= n
         return n
@@ -405,7 +408,7 @@ class BatchEvictionKVCache(_BaseCache):
         self.free: Optional[mx.array] = None  # (B, H) the hole of each (row, head)
         self._lengths: Optional[list[int]] = None  # prepare(): real tokens per row, padded call
         self._consumed = 0
-        self.key_sum: Optional[mx.array] = None  # keydiff/blend: (B, H, D) sum of each row's unit keys
+        self.key_sum: Optional[mx.array] = None  # each row's running state (scores.RUNNING), as EvictionKVCache
         self._sync_offset()
 
     # ---- mlx_lm batch protocol -----------------------------------------------
@@ -538,7 +541,7 @@ class BatchEvictionKVCache(_BaseCache):
         out.keys, out.values = quant.concat(keys, axis=0), quant.concat(values, axis=0)
         out.rank = mx.concatenate(ranks)
         if out.key_sum is not None:
-            zero = mx.zeros((1, heads, dk), mx.float32)
+            zero = running_zeros(out.keep, 1, heads, dk)
             out.key_sum = mx.concatenate([zero if c.key_sum is None else c.key_sum for c in caches])
         return out
 
@@ -581,7 +584,8 @@ class BatchEvictionKVCache(_BaseCache):
     def nbytes(self) -> int:
         if self.keys is None:
             return 0
-        return quant.nbytes(self.keys) + quant.nbytes(self.values) + self.rank.nbytes
+        state = 0 if self.key_sum is None else self.key_sum.nbytes
+        return quant.nbytes(self.keys) + quant.nbytes(self.values) + self.rank.nbytes + state
 
     def is_trimmable(self) -> bool:
         return False
@@ -606,8 +610,8 @@ class BatchEvictionKVCache(_BaseCache):
         self.keys = quant.empty(b, heads, capacity, dk, dtype, self.kv_bits, self.kv_group_size)
         self.values = quant.empty(b, heads, capacity, dv, dtype, self.kv_bits, self.kv_group_size)
         self.rank = mx.full((b, heads, capacity), PAD, dtype=mx.int64)
-        if self.keep in ANCHORED:
-            self.key_sum = mx.zeros((b, heads, dk), mx.float32)
+        if self.keep in RUNNING:
+            self.key_sum = running_zeros(self.keep, b, heads, dk)
 
     def _grow_to(self, capacity: int) -> None:
         grow = capacity - quant.slots(self.keys)
@@ -646,8 +650,8 @@ class BatchEvictionKVCache(_BaseCache):
                                    self.budget >= UNBOUNDED or any(open_ended(s) for s in self.spans)))
         anchor = None
         if self.key_sum is not None:
-            self.key_sum = self.key_sum + anchor_sum(keys)
-            anchor = running_anchor(self.key_sum, [s + 1 for s in self.seen])
+            self.key_sum = running_update(self.keep, self.key_sum, keys, self.seen)
+            anchor = running_reference(self.keep, self.key_sum, [s + 1 for s in self.seen])
         rank = block_ranks(self.keep, self.n_sink, keys, mx.array(self.seen, dtype=mx.int64), anchor,
                            span_array(self.spans))
         keys, values = self._store(keys, values)
@@ -688,8 +692,8 @@ class BatchEvictionKVCache(_BaseCache):
         spans = span_array(self.spans)
         anchor = None
         if self.key_sum is not None:
-            self.key_sum = self.key_sum + anchor_sum(keys, mx.array(real))
-            anchor = running_anchor(self.key_sum, [s + r for s, r in zip(self.seen, real)])
+            self.key_sum = running_update(self.keep, self.key_sum, keys, self.seen, real)
+            anchor = running_reference(self.keep, self.key_sum, [s + r for s, r in zip(self.seen, real)])
             if width and any(r > 1 for r in real):  # as a row alone: held keys re-scored when >1 token arrives
                 held = self.rank[:, :, :width]
                 again = rescore(self.keep, self.n_sink, self._float_keys(width), held, anchor, spans)

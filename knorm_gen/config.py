@@ -24,7 +24,9 @@ KEEP_MODES = tuple(SCORES)
 """Ranking rules, one per entry of :data:`knorm_gen.scores.SCORES`. ``low`` is the
 paper's; ``high`` its ablation; ``keydiff`` (arXiv:2504.15364) keeps the keys least
 like the head's mean direction; ``blend`` adds the paper's log norm to KeyDiff's
-cosine; ``random`` and ``recent`` (StreamingLLM: sinks + most recent) are baselines."""
+cosine; ``leverage`` (Compactor, arXiv:2507.08143) keeps the keys of highest
+statistical leverage against the head's keys seen; ``random`` and ``recent``
+(StreamingLLM: sinks + most recent) are baselines."""
 
 EARLY_FRACTION = 0.3
 """The share of leading layers ``skip_layers=None`` (``--preset retrieval``, the
@@ -253,7 +255,8 @@ class EvictionConfig:
     n_sink: int = _setting(4, "Leading tokens never evicted.")
     recent: Optional[int] = _setting(None, "Most recent tokens never evicted.", default_text="budget // 8")
     keep: str = _setting("blend", "low = keep low key norms (the paper's L2Norm rule); keydiff = keep keys least like "
-                         "the head's mean; blend = both (the default); high = ablation; random/recent = baselines.",
+                         "the head's mean; blend = both (the default); leverage = keep keys unlike the rest by "
+                         "statistical leverage; high = ablation; random/recent = baselines.",
                          choices=KEEP_MODES)
     skip_layers: Optional[tuple[int, ...]] = _setting(
         (), "Layers left uncompressed (their memory grows with the input), e.g. '0,1' or '0-8'; 'none' "

@@ -1,8 +1,9 @@
 """The eviction rules as data: one small scoring function per ``keep`` mode.
 
 A score function maps a block of keys ``(B, H, N, D)``, their absolute
-positions ``(B, 1, N)`` and an anchor ``(B, H, 1, D)`` to one float32 per token
-``(B, H, N)``; **lower is kept first**. The caches share one selection
+positions ``(B, 1, N)`` and the rule's running reference (the anchor
+``(B, H, 1, D)``, or leverage's state; None for the other rules) to one float32
+per token ``(B, H, N)``; **lower is kept first**. The caches share one selection
 machinery on top (pack, then partition or argmax), so a new rule is one
 function and one table entry, and the parametrised tests in
 ``tests/test_scores.py`` cover it the day it is added.
@@ -22,6 +23,11 @@ tokens evicted early were judged against fewer keys, so the anchored rules
 depend on the block size (the others do not). Only the rules in
 :data:`ANCHORED` pay for it (a normalise and a sum per block, and the held keys
 re-scored); the others get ``anchor=None``.
+
+``leverage`` works the same way with a richer running state (see
+:func:`score_leverage`): the rules in :data:`RUNNING` keep per-(row, head)
+state over every token seen, updated by :func:`running_update` and read by
+:func:`running_reference`, and the caches treat them alike.
 """
 
 from __future__ import annotations
@@ -87,6 +93,50 @@ def score_blend(keys: mx.array, positions: mx.array, anchor: Optional[mx.array] 
         mx.maximum(_squared_norm(keys), 1e-30))
 
 
+LEVERAGE_RIDGE = 1e-2
+"""``leverage``'s ridge, relative: λ = LEVERAGE_RIDGE x trace(C) / D, a hundredth of
+the mean variance per dimension of the keys seen. Relative, so the score does not
+depend on the keys' scale, and a direction in which the keys barely vary does not
+rank them by noise. It bounds the matrix's condition number by D / LEVERAGE_RIDGE
++ 1, which keeps float32 within float64's reach: on the embedded model's keys
+(layers 2-29, 2,048 tokens in 512-token blocks, or one block and 1,536 decode
+steps) the scores differed by at most 3e-6 (relative), on synthetic anisotropic
+keys of D = 64 and 256 by at most 5e-5 (``benchmarks/bench_rules.py`` prints it);
+a ridge of 1e-3 let the latter reach 2e-4."""
+
+LEVERAGE_REFRESH = 256
+"""Decode steps update ``leverage``'s inverse in O(D^2) (Sherman-Morrison, λ held);
+at a row's positions 1, 2, 4, ..., 128 and every multiple of this many it is
+computed afresh instead, λ re-set from the trace, so λ follows the keys as a
+decode grows and the rank-one updates cannot drift for long (they did not
+measurably: 1,536 of them stayed within 5e-5 of float64 on D = 256 keys)."""
+
+
+def score_leverage(keys: mx.array, positions: mx.array, anchor: Optional[mx.array] = None) -> mx.array:
+    """Statistical leverage (Compactor, arXiv:2507.08143): keep the keys least
+    explained by the head's other keys, ``(k - μ)^T (C + λI)^-1 (k - μ)`` with
+    ``C`` the scatter of every key the row has seen about their mean ``μ`` (the
+    leverage of a regression with an intercept, less the 1/n every key shares).
+    Negated: high leverage, a key unlike the rest, is kept first.
+
+    Centred (as Compactor's reference code centres), so a key is judged by how it
+    departs from the head's mean: keys share an offset (on the embedded model its
+    squared norm is 0.5-1.8x the keys' whole variance, ten times their largest
+    direction of variance), which uncentred would be the dominant direction of
+    K^T K and would raise a ridge relative to the trace 1.5-2.8x, muting the
+    spread that tells keys apart. Not normalised: the keys' scale is information
+    the leverage weighs per direction (and the one the paper's rule uses); a
+    rule on directions alone is ``keydiff``. Scored on the keys as cached (after
+    RoPE; the cache never sees them before). Float32 from float32 keys, on a
+    scatter matrix per (row, KV head): a block costs O(N D^2) plus an O(D^3)
+    inverse, a decode step O(D^2) (:data:`LEVERAGE_REFRESH`). ``anchor`` is the
+    running state (:func:`running_update`): C, its regularised inverse P and μ."""
+    d = keys.shape[-1]
+    inv, mean = anchor[..., d : 2 * d, :], anchor[..., 2 * d :, :]
+    x = keys.astype(mx.float32) - mean
+    return -mx.sum((x @ inv) * x, axis=-1)
+
+
 SCORES: dict[str, ScoreFn] = {
     "low": score_low,
     "high": score_high,
@@ -94,10 +144,15 @@ SCORES: dict[str, ScoreFn] = {
     "recent": score_recent,
     "keydiff": score_keydiff,
     "blend": score_blend,
+    "leverage": score_leverage,
 }
 
 ANCHORED = frozenset({"keydiff", "blend"})
 """The rules that score against the running anchor (block-size dependent, see above)."""
+
+RUNNING = ANCHORED | {"leverage"}
+"""The rules with running state over every token seen: a block of more than one
+token updates it, then the held keys are re-scored against it with the block."""
 
 
 def anchor_sum(keys: mx.array, real: Optional[mx.array] = None) -> mx.array:
@@ -114,6 +169,96 @@ def running_anchor(total: mx.array, seen: mx.array | int) -> mx.array:
     """``(B, H, 1, D)`` anchor from the running sum of unit keys and the tokens seen."""
     count = mx.maximum(mx.array(seen, dtype=mx.float32).reshape(-1, 1, 1), 1.0)
     return (total / count)[:, :, None, :]
+
+
+def _refreshes(seen: int) -> bool:
+    """Whether a decode step that brings a row to ``seen`` tokens computes leverage's inverse afresh."""
+    return seen & (seen - 1) == 0 or seen % LEVERAGE_REFRESH == 0
+
+
+def leverage_inverse(scatter: mx.array, mean: mx.array) -> mx.array:
+    """``(C + λI)^-1`` for scatter matrices ``(..., D, D)``: λ = :data:`LEVERAGE_RIDGE`
+    / D x trace(C), or x 1e-6 |μ|^2 where that is larger (identical keys then leave
+    no singular matrix). Float32, on the CPU stream (MLX's factorisations have no
+    GPU kernel); by Cholesky, as the matrix is symmetric positive definite."""
+    d = scatter.shape[-1]
+    trace = mx.sum(mx.diagonal(scatter, axis1=-2, axis2=-1), axis=-1)
+    lam = LEVERAGE_RIDGE / d * mx.maximum(trace, 1e-6 * mx.sum(mx.square(mean), axis=-1))
+    lam = mx.maximum(lam, 1e-30)[..., None, None]
+    ridged = scatter + lam * mx.eye(d, dtype=mx.float32)
+    inv = mx.linalg.cholesky_inv(mx.linalg.cholesky(ridged, stream=mx.cpu), stream=mx.cpu)
+    return 0.5 * (inv + mx.swapaxes(inv, -1, -2))
+
+
+def _leverage_update(state: Optional[mx.array], keys: mx.array, seen: Sequence[int], real: Sequence[int]) -> mx.array:
+    # Chan et al.'s pairwise update of a mean and a scatter matrix: the block's own
+    # scatter about its own mean, plus the shift between the two means. Unlike
+    # K^T K - n mu mu^T, no large offset cancels in float32.
+    b, h, n, d = keys.shape
+    if state is None:
+        state = mx.zeros((b, h, 2 * d + 1, d), mx.float32)
+    scatter, inv, mean = state[..., :d, :], state[..., d : 2 * d, :], state[..., 2 * d, :]
+    before = mx.array(seen, dtype=mx.float32).reshape(b, 1, 1)
+    if all(r == 1 for r in real):  # decode: the same arithmetic as below with a one-token block, fewer ops
+        total = before + 1.0
+        shift = keys[:, :, 0, :].astype(mx.float32) - mean
+        weight = (before / total)[..., None]
+        new_scatter = scatter + weight * (shift[..., :, None] * shift[..., None, :])
+        new_mean = mean + shift * (1.0 / total)
+    else:
+        count = mx.array(real, dtype=mx.float32).reshape(b, 1, 1)
+        valid = (mx.arange(n)[None, :] < mx.array(real).reshape(b, 1))[:, None, :, None]
+        x = mx.where(valid, keys.astype(mx.float32), 0.0)
+        block_mean = mx.sum(x, axis=2) / mx.maximum(count, 1.0)
+        xc = mx.where(valid, x - block_mean[:, :, None, :], 0.0)
+        total = mx.maximum(before + count, 1.0)
+        shift = block_mean - mean
+        weight = (before * count / total)[..., None]
+        new_scatter = scatter + mx.swapaxes(xc, -1, -2) @ xc + weight * (shift[..., :, None] * shift[..., None, :])
+        new_mean = mean + shift * (count / total)
+    fresh = [r > 1 or (r == 1 and _refreshes(s + 1)) for s, r in zip(seen, real)]
+    rank_one = [r == 1 and not f for r, f in zip(real, fresh)]
+    new_inv = inv
+    if any(rank_one):  # Sherman-Morrison: (A + u u^T)^-1 = P - (P u)(P u)^T / (1 + u^T P u)
+        u = mx.sqrt(weight[..., 0]) * shift
+        pu = (u[..., None, :] @ inv)[..., 0, :]
+        scale = pu / (1.0 + mx.sum(u * pu, axis=-1, keepdims=True))
+        updated = inv - pu[..., :, None] * scale[..., None, :]
+        new_inv = updated if all(rank_one) else mx.where(mx.array(rank_one).reshape(b, 1, 1, 1), updated, inv)
+    if any(fresh):
+        again = leverage_inverse(new_scatter, new_mean)
+        new_inv = again if all(fresh) else mx.where(mx.array(fresh).reshape(b, 1, 1, 1), again, new_inv)
+    return mx.concatenate([new_scatter, new_inv, new_mean[..., None, :]], axis=-2)
+
+
+def running_update(keep: str, state: Optional[mx.array], keys: mx.array, seen: Sequence[int] | int,
+                   real: Optional[Sequence[int]] = None) -> mx.array:
+    """The running state of a rule in :data:`RUNNING` after a block of keys
+    ``(B, H, N, D)``: ``seen`` tokens per row before it (an int for one row),
+    ``real`` tokens per row in it (right padding after them is left out).
+    ``state`` None: nothing seen yet. Anchored rules: the sum of unit keys
+    ``(B, H, D)``. ``leverage``: ``(B, H, 2D + 1, D)``, the scatter matrix C of the
+    keys seen about their mean, the inverse P = (C + λI)^-1, and the mean μ; a
+    block of more than one token computes P afresh, a single token updates it."""
+    b, _, n, _ = keys.shape
+    seen = [seen] * b if isinstance(seen, int) else [int(s) for s in seen]
+    real = [n] * b if real is None else [int(r) for r in real]
+    if keep == "leverage":
+        return _leverage_update(state, keys, seen, real)
+    part = anchor_sum(keys, None if real == [n] * b else mx.array(real))
+    return part if state is None else state + part
+
+
+def running_reference(keep: str, state: mx.array, seen: Sequence[int] | int) -> mx.array:
+    """What the rule's score compares keys with, from its running state and the
+    tokens seen per row: the anchor (:func:`running_anchor`), or leverage's state."""
+    return state if keep == "leverage" else running_anchor(state, seen)
+
+
+def running_zeros(keep: str, batch: int, heads: int, dim: int) -> mx.array:
+    """The running state of rows that have seen nothing."""
+    shape = (batch, heads, 2 * dim + 1, dim) if keep == "leverage" else (batch, heads, dim)
+    return mx.zeros(shape, mx.float32)
 
 # ---- the selection arithmetic both caches share ---------------------------------
 # One int64 per token: (order-preserving integer of the float32 score) << 32 | position,
@@ -157,10 +302,10 @@ def block_ranks(keep: str, n_sink: int, keys: mx.array, start: mx.array | int,
                 anchor: Optional[mx.array] = None, spans: Optional[mx.array] = None) -> mx.array:
     """Ranks of a block of keys ``(B, H, N, D)`` whose first token sits at absolute
     position ``start`` (an int, or one per batch row); ascending = kept first.
-    ``anchor`` (:func:`running_anchor`) is needed by the rules in :data:`ANCHORED`;
+    ``anchor`` (:func:`running_reference`) is needed by the rules in :data:`RUNNING`;
     positions outside ``spans`` are pinned."""
-    if keep in ANCHORED and anchor is None:
-        raise ValueError(f"keep={keep!r} scores against an anchor: pass one")
+    if keep in RUNNING and anchor is None:
+        raise ValueError(f"keep={keep!r} scores against its running state: pass it (running_reference)")
     first = mx.array(start, dtype=mx.int64).reshape(-1, 1, 1)
     positions = first + mx.arange(keys.shape[2], dtype=mx.int64)[None, None, :]
     return pack_ranks(SCORES[keep](keys, positions, anchor), positions, n_sink, spans)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
-from knorm_gen.scores import BLEND_WEIGHT
+from knorm_gen.scores import BLEND_WEIGHT, LEVERAGE_REFRESH, LEVERAGE_RIDGE
 
 
 def tiny_llama(layers: int = 3, seed: int = 0, layer_types=None, sliding_window=None, vocab: int = 97,
@@ -169,24 +169,65 @@ def numpy_anchored_score(keep, keys, anchor):
     return cos if keep == "keydiff" else cos + BLEND_WEIGHT * np.log(norm)
 
 
+class LeverageReference:
+    """float64 reference of ``keep="leverage"`` for one row, from its definition:
+    after each block, the score of a key is ``-(k - m)^T (C + lam I)^-1 (k - m)``
+    with ``m`` the mean of every key seen and ``C`` their scatter about it (computed
+    from all the keys, not updated); ``lam`` = LEVERAGE_RIDGE x trace(C) / D (at
+    least 1e-6 x that share of |m|^2), set at every block of more than one token and
+    at the decode steps that reach position 1, 2, 4, ... or a multiple of
+    LEVERAGE_REFRESH, and held in between."""
+
+    def __init__(self, keys):
+        self.keys = keys[0].astype(np.float64)  # (H, T, D)
+        self.seen, self.lam = 0, None
+
+    def feed(self, size):
+        self.seen += size
+        s, dim = self.seen, self.keys.shape[2]
+        seen_keys = self.keys[:, :s]
+        self.mean = seen_keys.mean(axis=1)
+        centred = seen_keys - self.mean[:, None]
+        scatter = np.einsum("hnd,hne->hde", centred, centred)
+        if size > 1 or s & (s - 1) == 0 or s % LEVERAGE_REFRESH == 0:
+            trace = np.trace(scatter, axis1=1, axis2=2)
+            self.lam = LEVERAGE_RIDGE / dim * np.maximum(trace, 1e-6 * (self.mean ** 2).sum(axis=-1))
+        self.inv = np.linalg.inv(scatter + self.lam[:, None, None] * np.eye(dim))
+
+    def scores(self):
+        """``(H, seen)``: every position's score against the state after the last block."""
+        x = self.keys[:, : self.seen] - self.mean[:, None]
+        return -np.einsum("hnd,hde,hne->hn", x, self.inv, x)
+
+
 def numpy_running_kept(keys, splits, budget, n_sink, recent, keep):
     """Kept positions per head of one row fed in ``splits``, with the anchor the mean
-    unit key of everything seen up to and including each block; a block of more than
-    one token first re-scores the held keys against that anchor (attend first, evict
-    after: over budget, the ``budget`` best of held + new by (protected, score, position))."""
+    unit key of everything seen up to and including each block (``leverage``: its
+    :class:`LeverageReference`); a block of more than one token first re-scores the
+    held keys against that anchor (attend first, evict after: over budget, the
+    ``budget`` best of held + new by (protected, score, position))."""
+    lev = LeverageReference(keys) if keep == "leverage" else None
     keys = keys[0].astype(np.float64)
     heads, dim = keys.shape[0], keys.shape[2]
     total, seen, held = np.zeros((heads, dim)), 0, [[] for _ in range(heads)]
     for size in splits:
         block = keys[:, seen : seen + size]
-        total += (block / np.linalg.norm(block, axis=-1, keepdims=True)).sum(axis=1)
-        anchor = total / (seen + size)
-        scores = numpy_anchored_score(keep, block, anchor)
+        if lev is not None:
+            lev.feed(size)
+            every = lev.scores()
+            scores = every[:, seen:]
+        else:
+            total += (block / np.linalg.norm(block, axis=-1, keepdims=True)).sum(axis=1)
+            anchor = total / (seen + size)
+            scores = numpy_anchored_score(keep, block, anchor)
         seen += size
         for h in range(heads):
             if size > 1 and held[h]:
                 pos = [p for _, p in held[h]]
-                again = numpy_anchored_score(keep, keys[h : h + 1, pos], anchor[h : h + 1])[0]
+                if lev is not None:
+                    again = every[h, pos]
+                else:
+                    again = numpy_anchored_score(keep, keys[h : h + 1, pos], anchor[h : h + 1])[0]
                 held[h] = list(zip(again, pos))
             held[h] += [(scores[h, i], seen - size + i) for i in range(size)]
             if len(held[h]) > budget:

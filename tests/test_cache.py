@@ -13,7 +13,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, sav
 from knorm_gen import EvictionConfig, L2NormKVCache, cache_stats, make_eviction_cache
 from knorm_gen.cache import BatchL2NormKVCache
 from knorm_gen.mlx_compat import own_layer_masks
-from knorm_gen.scores import ANCHORED, PAD
+from knorm_gen.scores import PAD, RUNNING
 
 from .conftest import numpy_running_kept, random_tokens, tiny_llama
 
@@ -284,7 +284,7 @@ def test_offset_and_rope_positions_never_change():
                 np.testing.assert_array_equal(keys[0, hi], all_keys[0, hi, pos[0, hi]])
 
 
-@pytest.mark.parametrize("keep", ["low", "keydiff"])
+@pytest.mark.parametrize("keep", ["low", "keydiff", "leverage"])
 def test_save_load_round_trip_continues_identically(tmp_path, tiny_model, keep):
     tokens = random_tokens(40, seed=2)
     caches = make_eviction_cache(tiny_model, EvictionConfig(budget=10, skip_layers=(0,), keep=keep))
@@ -295,7 +295,7 @@ def test_save_load_round_trip_continues_identically(tmp_path, tiny_model, keep):
     loaded = load_prompt_cache(path)
     assert [type(c).__name__ for c in loaded] == [type(c).__name__ for c in caches]
     for c, l in zip(caches, loaded):
-        if keep == "keydiff" and isinstance(c, L2NormKVCache):  # the anchor travels with the cache
+        if keep != "low" and isinstance(c, L2NormKVCache):  # the running state travels with the cache
             np.testing.assert_array_equal(np.array(l.key_sum), np.array(c.key_sum))
     for step in [4, 9, 1, 7]:
         x = mx.array([[step]])
@@ -581,7 +581,8 @@ class Feeder:
     def chunk(self, sizes):
         """One call: row b gets its next sizes[b] tokens, right-padded to the widest."""
         n = max(sizes)
-        blk_k = np.zeros((len(sizes), HEADS, n, DIM), np.float32)
+        # padding holds garbage (as a model's padded positions do): it must never count
+        blk_k = self.rng.normal(size=(len(sizes), HEADS, n, DIM)).astype(np.float32) * 3.0
         blk_v = np.zeros_like(blk_k)
         q = self.rng.normal(size=(len(sizes), HEADS, n, DIM)).astype(np.float32)
         for b, size in enumerate(sizes):
@@ -616,7 +617,7 @@ class Feeder:
             assert row.offset == self.fed[b] == self.batch.seen[b]
             got = kept_positions(row)
             np.testing.assert_array_equal(got, kept_positions(self.singles[b]))
-            if keep in ANCHORED:
+            if keep in RUNNING:
                 want = numpy_running_kept(self.keys[b][:, :, : self.fed[b]], self.splits[b], *self.settings)
             else:
                 want = numpy_kept(self.keys[b][:, :, : self.fed[b]], *self.settings)
@@ -626,7 +627,7 @@ class Feeder:
 
 
 SETTINGS = [(12, 3, 0, "low"), (12, 0, 2, "low"), (10, 2, 3, "high"), (9, 4, 2, "recent"), (16, 4, 2, "low"),
-            (12, 3, 2, "keydiff"), (10, 2, 1, "blend")]
+            (12, 3, 2, "keydiff"), (10, 2, 1, "blend"), (12, 3, 2, "leverage")]
 
 
 @pytest.mark.parametrize("budget,n_sink,recent,keep", SETTINGS)
@@ -645,7 +646,7 @@ def test_each_row_keeps_what_it_keeps_alone(budget, n_sink, recent, keep, seed):
         f.check()
 
 
-@pytest.mark.parametrize("keep", ["low", "keydiff"])
+@pytest.mark.parametrize("keep", ["low", "keydiff", "leverage"])
 def test_rows_leave_and_join_mid_run(keep):
     rng = np.random.default_rng(5)
     settings = (10, 2, 2, keep)
@@ -672,7 +673,7 @@ def test_rows_leave_and_join_mid_run(keep):
     f.check()
 
 
-@pytest.mark.parametrize("keep", ["low", "blend"])
+@pytest.mark.parametrize("keep", ["low", "blend", "leverage"])
 def test_merge_of_used_single_caches_and_deepcopy(keep):
     rng = np.random.default_rng(9)
     settings = (8, 2, 1, keep)
@@ -696,6 +697,64 @@ def test_merge_of_used_single_caches_and_deepcopy(keep):
     clone.filter([0])
     assert batch.batch_size == 3 and clone.batch_size == 1
     assert int(np.array(batch.rank).max()) == PAD  # padded slots carry PAD rank
+
+
+def batch_chunk(batch, rows, fed, sizes):
+    """Feed row b of ``batch`` its keys ``rows[b]`` from ``fed[b]`` on, ``sizes[b]`` of them, right-padded."""
+    n = max(sizes)
+    blk = np.full((len(sizes), HEADS, n, DIM), 7.0, np.float32)  # padding: garbage that must not count
+    for b, size in enumerate(sizes):
+        blk[b, :, :size] = rows[b][0, :, fed[b] : fed[b] + size]
+    padded = any(size < n for size in sizes)
+    if padded:
+        batch.prepare(lengths=list(sizes), right_padding=[n - size for size in sizes])
+    batch.update_and_fetch(mx.array(blk), mx.array(blk))
+    if padded:
+        batch.finalize()
+    for b, size in enumerate(sizes):
+        fed[b] += size
+
+
+@pytest.mark.parametrize("keep", sorted(RUNNING))
+def test_running_state_survives_save_load_and_copy_of_a_batch(tmp_path, keep):
+    # Saved mid-run (decode holes in place, rows of different lengths) and loaded, or
+    # copied: each continues exactly as the original, and the original is untouched
+    # by what its copy is fed.
+    from knorm_gen.cache import copy_caches
+
+    rng = np.random.default_rng(21)
+    rows = [distinct_norm_keys(60, rng, heads=HEADS, dim=DIM) for _ in range(2)]
+    batch, fed = L2NormKVCache.merge([L2NormKVCache(10, 2, 1, keep) for _ in rows]), [0, 0]
+    for sizes in ([20, 12], [1, 1], [1, 1]):
+        batch_chunk(batch, rows, fed, sizes)
+    path = str(tmp_path / "batch.safetensors")
+    save_prompt_cache(path, [batch])
+    (loaded,) = load_prompt_cache(path)
+    (clone,) = copy_caches([batch])
+    assert type(loaded) is BatchL2NormKVCache and loaded.key_sum.shape == batch.key_sum.shape
+    before = np.array(batch.key_sum)
+    batch_chunk(clone, rows, list(fed), [7, 2])
+    np.testing.assert_array_equal(np.array(batch.key_sum), before)
+    for sizes in ([1, 1], [6, 3], [1, 1], [1, 1]):
+        for c in (batch, loaded):
+            batch_chunk(c, rows, list(fed), sizes)
+        fed = [a + s for a, s in zip(fed, sizes)]
+        np.testing.assert_array_equal(np.array(loaded.key_sum), np.array(batch.key_sum))
+        for b in range(2):
+            np.testing.assert_array_equal(kept_positions(loaded.extract(b)), kept_positions(batch.extract(b)))
+
+
+@pytest.mark.parametrize("keep", sorted(RUNNING))
+def test_trim_takes_the_trimmed_keys_out_of_the_running_state(keep):
+    keys = distinct_norm_keys(30, np.random.default_rng(6), heads=HEADS, dim=DIM)
+    trimmed, fresh = L2NormKVCache(12, 2, 1, keep), L2NormKVCache(12, 2, 1, keep)
+    feed_keys(trimmed, keys[:, :, :9], [6, 1, 1, 1])
+    assert trimmed.trim(3) == 3
+    feed_keys(fresh, keys[:, :, :6], [6])
+    np.testing.assert_allclose(np.array(trimmed.key_sum), np.array(fresh.key_sum), rtol=1e-5, atol=1e-6)
+    for c in (trimmed, fresh):
+        feed_keys(c, keys[:, :, 6:], [14, 1, 1, 8])
+    np.testing.assert_array_equal(kept_positions(trimmed), kept_positions(fresh))
 
 
 def test_left_padding_is_refused_with_a_clear_message():

@@ -53,7 +53,7 @@ def test_positions_outside_the_document_are_never_evicted(spans):
     assert cache.count == 12 + pinned_beyond_sinks == cache.tokens_pinned + 12
 
 
-@pytest.mark.parametrize("keep", ["low", "keydiff", "blend", "random", "recent", "high"])
+@pytest.mark.parametrize("keep", ["low", "keydiff", "blend", "random", "recent", "high", "leverage"])
 def test_every_rule_holds_the_pinned_positions_through_blocks_and_decode(keep):
     keys = distinct_norm_keys(70, np.random.default_rng(5))
     spans = ((8, 50),)  # 0-7 an instruction, 50 on a question and its answer

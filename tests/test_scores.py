@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from knorm_gen import L2NormKVCache
-from knorm_gen.scores import ANCHORED, SCORES, pack_ranks, rank_positions
+from knorm_gen.scores import ANCHORED, RUNNING, SCORES, pack_ranks, rank_positions
 
-from .conftest import numpy_anchored_score, numpy_running_kept
+from .conftest import LeverageReference, numpy_anchored_score, numpy_running_kept
 from .test_cache import distinct_norm_keys, feed_keys, kept_positions
 
 T, BUDGET, N_SINK, RECENT = 48, 14, 3, 4
@@ -18,8 +18,9 @@ def numpy_block_scores(keep, keys, seed):
     """float64 reference of each rule for one block of keys ``(1, H, N, D)`` (lower is
     kept first), written from the rules' definitions: ``low``/``high`` the squared key
     norm, ``recent`` minus the position, ``keydiff``/``blend`` the cosine to the block's
-    mean unit key (plus ln|k| for blend); ``random`` the uniform draws mlx makes after
-    ``mx.random.seed(seed)`` (its only input)."""
+    mean unit key (plus ln|k| for blend), ``leverage`` minus the ridge leverage against the
+    block's own centred keys (:class:`LeverageReference`); ``random`` the uniform draws mlx
+    makes after ``mx.random.seed(seed)`` (its only input)."""
     keys = keys.astype(np.float64)
     squared = (keys ** 2).sum(axis=-1)
     if keep == "low":
@@ -31,6 +32,10 @@ def numpy_block_scores(keep, keys, seed):
     if keep == "random":
         mx.random.seed(seed)
         return np.array(mx.random.uniform(shape=squared.shape))
+    if keep == "leverage":
+        ref = LeverageReference(keys)
+        ref.feed(keys.shape[2])
+        return ref.scores()[None]
     if keep in ANCHORED:
         anchor = (keys / np.linalg.norm(keys, axis=-1, keepdims=True)).mean(axis=2)[0]
         return numpy_anchored_score(keep, keys[0], anchor)[None]
@@ -66,7 +71,7 @@ def test_every_rule_keeps_budget_and_protects(keep):
         assert set(range(N_SINK)) | set(range(T - RECENT, T)) <= set(got[0, h])
 
 
-@pytest.mark.parametrize("keep", [k for k in SCORES if k != "random" and k not in ANCHORED])
+@pytest.mark.parametrize("keep", [k for k in SCORES if k != "random" and k not in RUNNING])
 def test_deterministic_rules_are_path_independent(keep):
     keys = distinct_norm_keys(T, np.random.default_rng(11), heads=2)
     kept = []
@@ -100,13 +105,78 @@ def test_anchored_rules_follow_a_running_mean_reference(keep, splits):
     assert [list(g) for g in got[0]] == numpy_running_kept(keys, splits, BUDGET, N_SINK, RECENT, keep)
 
 
-@pytest.mark.parametrize("keep", sorted(ANCHORED))
+@pytest.mark.parametrize("keep", sorted(RUNNING))
 def test_anchored_rules_depend_on_the_block_size(keep):
     # The control that makes the reference above able to fail: scored against the
     # anchor of their own time, the same keys are kept differently in other blocks.
     keys = distinct_norm_keys(T, np.random.default_rng(13), heads=2)
     kept = [numpy_running_kept(keys, s, BUDGET, N_SINK, RECENT, keep) for s in ([T], [1] * T)]
     assert kept[0] != kept[1]
+
+
+NEAR_TIE = 1e-4  # float32 leverage is within ~1e-5 of float64 (benchmarks/bench_rules.py); ties closer may flip
+
+
+def assert_best_up_to_near_ties(got, scored, protected, limit, what):
+    """``got`` (positions) holds the ``protected`` ones and the best of the other
+    ``scored`` positions (dict: position -> float64 score) by (score, position), up to
+    ``limit`` in all; it may differ from that only by swapping two positions whose
+    scores lie within NEAR_TIE of each other (relative)."""
+    rest = sorted((p for p in scored if p not in protected), key=lambda p: (scored[p], p))
+    want = set(protected) | set(rest[: max(limit - len(protected), 0)]) if len(scored) > limit else set(scored)
+    got = set(got)
+    assert len(got) == len(want), what
+    for p in got - want:
+        for q in want - got:
+            gap = abs(scored[p] - scored[q])
+            assert gap <= NEAR_TIE * max(abs(scored[p]), abs(scored[q])), (what, p, q, scored[p], scored[q])
+
+
+@pytest.mark.parametrize("splits", [[T], [1] * T, [5, 17, 1, 1, 24], [20, 1, 1, 1, 25], [9, 1, 14, 1, 1, 22]])
+@pytest.mark.parametrize("seed", [13, 14])
+def test_leverage_follows_a_float64_reference_block_by_block(splits, seed):
+    # After every block the cache's kept set is the float64 ranking of what it held
+    # plus the block (the held keys re-scored when the block has more than one token),
+    # with the scores of LeverageReference; it follows the cache's own choice only
+    # where two scores were within NEAR_TIE.
+    keys = distinct_norm_keys(T, np.random.default_rng(seed), heads=2)
+    ref = LeverageReference(keys)
+    cache = L2NormKVCache(BUDGET, N_SINK, RECENT, "leverage")
+    held, seen = [{}, {}], 0
+    for size in splits:
+        block = mx.array(keys[:, :, seen : seen + size])
+        cache.update_and_fetch(block, block)
+        ref.feed(size)
+        every = ref.scores()
+        seen += size
+        got = kept_positions(cache)
+        for h in range(2):
+            if size > 1:
+                held[h] = {p: every[h, p] for p in held[h]}
+            held[h].update({p: every[h, p] for p in range(seen - size, seen)})
+            protected = {p for p in held[h] if p < N_SINK or p >= seen - RECENT}
+            assert_best_up_to_near_ties(got[0, h], held[h], protected, BUDGET, (splits, seen, h))
+            held[h] = {p: held[h][p] for p in got[0, h]}
+
+
+def test_leverage_keeps_the_keys_off_the_heads_subspace():
+    # 40 keys spanning 3 of 8 dimensions (and a common offset), 6 others each
+    # reaching out along one of the other 5: leverage keeps the 6, where the
+    # highest-norm rule keeps others.
+    rng = np.random.default_rng(4)
+    cluster = np.zeros((40, 8))
+    cluster[:, :3] = rng.normal(size=(40, 3)) * 3.0
+    cluster += 0.01 * rng.normal(size=(40, 8))
+    odd = np.zeros((6, 8))
+    odd[np.arange(6), 3 + np.arange(6) % 5] = [1.5, 1.5, 1.5, 1.5, 1.5, -1.5]
+    order = rng.permutation(46)
+    keys = (np.concatenate([cluster, odd])[order] + 2.0)[None, None].astype(np.float32)
+    cache = L2NormKVCache(6, 0, 0, "leverage")
+    feed_keys(cache, keys, [46])
+    assert sorted(kept_positions(cache)[0, 0]) == sorted(np.flatnonzero(order >= 40))
+    high = L2NormKVCache(6, 0, 0, "high")
+    feed_keys(high, keys, [46])
+    assert sorted(kept_positions(high)[0, 0]) != sorted(np.flatnonzero(order >= 40))
 
 
 def test_keydiff_keeps_the_outliers_of_a_cluster():
