@@ -12,7 +12,7 @@ grass, ledger; held-out: harbor, recipe). Each document is cut to its first
 (:mod:`knorm_gen.tune`); results go to results/choose_default-<model>-<split>.json,
 checkpointed after each case (``--add-to`` continues a run). An arm ``NAME@qB``
 is candidate NAME with its kept keys and values stored at B bits (``kv_bits``,
-groups of 64).
+groups of 64; ``NAME@qBgG``: groups of G).
 """
 
 from __future__ import annotations
@@ -34,10 +34,12 @@ SPLIT_FILLERS = {"tune": ("grass", "ledger"), "heldout": ("harbor", "recipe")}
 
 def arm_fields(name: str) -> dict:
     """The config fields of an arm: a candidate, or ``candidate@q4`` / ``@q8`` (kv_bits)."""
-    base, _, bits = name.partition("@q")
-    if base not in CANDIDATES or bits not in ("", "4", "8"):
-        raise SystemExit(f"unknown arm {name!r}: a candidate ({', '.join(CANDIDATES)}), optionally with @q4 or @q8")
-    return {**CANDIDATES[base], **({"kv_bits": int(bits), "kv_group_size": 64} if bits else {})}
+    base, _, quant = name.partition("@q")
+    bits, _, group = quant.partition("g")
+    if base not in CANDIDATES or bits not in ("", "4", "8") or group not in ("", "32", "64", "128"):
+        raise SystemExit(f"unknown arm {name!r}: a candidate ({', '.join(CANDIDATES)}), optionally with @q4 or @q8 "
+                         f"and a group size (@q4g32)")
+    return {**CANDIDATES[base], **({"kv_bits": int(bits), "kv_group_size": int(group or 64)} if bits else {})}
 
 
 def merged(paths) -> list[dict]:
