@@ -94,6 +94,9 @@ class EvictionKVCache(_BaseCache):
 
     # ---- mlx_lm protocol -------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return self._attention_form(*self._update(keys, values), block=keys.shape[2] > 1)
+
+    def _update(self, keys: mx.array, values: mx.array) -> tuple[Stored, Stored]:
         n = keys.shape[2]
         anchor = None
         spans = self._span_array()
@@ -301,6 +304,22 @@ class EvictionKVCache(_BaseCache):
     def _dims(self) -> tuple[int, int, int, Any]:
         return _dims(self)
 
+    def _attention_form(self, keys: Stored, values: Stored, block: bool) -> tuple[Stored, Stored]:
+        """What attention gets, and the attribute that tells mlx_lm which attention to run.
+        With kv_bits a decode step attends to the stored triples through mlx_lm's quantized
+        SDPA; a block of queries attends to the same values dequantized, through the
+        full-precision SDPA: the numbers quantized SDPA would use, but on this CPU
+        ``mx.quantized_matmul`` with hundreds of query rows took 3.1x the prefill time
+        of BLAS (benchmarks/bench_summarize.py, docs/results.md)."""
+        if not self.kv_bits:
+            return keys, values
+        if block:
+            quant.mark_for_attention(self, None, self.kv_group_size)
+            return (quant.dequantize(keys, self.kv_bits, self.kv_group_size),
+                    quant.dequantize(values, self.kv_bits, self.kv_group_size))
+        quant.mark_for_attention(self, self.kv_bits, self.kv_group_size)
+        return keys, values
+
     def _store(self, keys: mx.array, values: mx.array) -> tuple[Stored, Stored]:
         return (quant.quantize(keys, self.kv_bits, self.kv_group_size),
                 quant.quantize(values, self.kv_bits, self.kv_group_size))
@@ -439,11 +458,11 @@ class BatchEvictionKVCache(_BaseCache):
         if self.keys is None:
             self._allocate(h, keys.shape[3], values.shape[3], keys.dtype, 0)
         if n == 1 and self._lengths is None:
-            return self._decode(keys, values)
+            return self._attention_form(*self._decode(keys, values), block=False)
         real = ([n] * b if self._lengths is None
                 else [min(max(length - self._consumed, 0), n) for length in self._lengths])
         self._consumed += n
-        return self._block(keys, values, real)
+        return self._attention_form(*self._block(keys, values, real), block=True)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
         """Boolean ``(B, 1, N, keys)`` for the keys the next update returns."""
@@ -599,6 +618,7 @@ class BatchEvictionKVCache(_BaseCache):
         return [self.budget + pinned_count(sp, self.n_sink, s) for sp, s in zip(self.spans, self.seen)]
 
     _set_quantization = EvictionKVCache._set_quantization
+    _attention_form = EvictionKVCache._attention_form
     _store = EvictionKVCache._store
     _float_keys = EvictionKVCache._float_keys
 

@@ -47,13 +47,14 @@ def positions(cache):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_kept_set_equals_full_precision_and_stored_values_are_within_one_step(keep, bits):
     rng = np.random.default_rng(3)
-    t, splits = 90, [40, 1, 1, 30, 1, 17]
+    t, splits = 90, [40, 1, 1, 30, 1, 16, 1]
     keys = (rng.normal(size=(1, HEADS, t, DIM)) * rng.uniform(0.5, 2, size=(1, HEADS, t, 1))).astype(np.float32)
     values = rng.normal(size=(1, HEADS, t, DIM)).astype(np.float32)
     full = EvictionKVCache(24, 2, 3, keep)
     quant = EvictionKVCache(24, 2, 3, keep, kv_bits=bits, kv_group_size=32)
     feed_blocks(full, keys, values, splits)
     k, v = feed_blocks(quant, keys, values, splits)
+    # a decode step attends to the stored triples through mlx_lm's quantized SDPA
     assert isinstance(k, tuple) and len(k) == 3 and quant.bits == bits and quant.group_size == 32
     np.testing.assert_array_equal(positions(quant), positions(full))
     # what attention read at the last step: every held slot plus the new token, each within one step of its source
@@ -279,3 +280,15 @@ def test_a_row_may_set_kv_bits_and_a_bad_one_is_its_own_error_record(tmp_path, m
     assert "kv_bits" not in records["plain"]["config"] and records["q4"]["config"]["kv_bits"] == 4
     assert records["q4"]["kept_bytes"] <= 0.3 * records["plain"]["kept_bytes"]
     assert records["q4"]["tokens_kept"] == records["plain"]["tokens_kept"]
+
+
+def test_a_block_attends_to_the_dequantized_values_and_a_decode_step_to_the_triples():
+    rng = np.random.default_rng(11)
+    keys = rng.normal(size=(1, HEADS, 31, DIM)).astype(np.float32)
+    cache = EvictionKVCache(16, 2, 0, "low", kv_bits=4, kv_group_size=32)
+    k, v = cache.update_and_fetch(mx.array(keys[:, :, :30]), mx.array(keys[:, :, :30]))
+    # a block: floats, the full-precision SDPA (no ``bits``), every value within one step of its source
+    assert isinstance(k, mx.array) and not hasattr(cache, "bits") and k.shape == (1, HEADS, 30, DIM)
+    assert np.all(np.abs(np.array(k) - keys[:, :, :30]) <= numpy_quant_step(keys[:, :, :30], 4, 32) + 1e-5)
+    k, v = cache.update_and_fetch(mx.array(keys[:, :, 30:]), mx.array(keys[:, :, 30:]))
+    assert isinstance(k, tuple) and cache.bits == 4  # a decode step: mlx_lm's quantized SDPA
