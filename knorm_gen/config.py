@@ -273,7 +273,7 @@ class EvictionConfig:
         None, "Bound every layer: nothing skipped, the first 30% of the full-attention layers hold N x --budget "
         "(8: a memory ceiling at about today's retrieval; README, Results).")
     kv_bits: Optional[int] = _setting(
-        None, "Store the kept keys and values quantized to 4 or 8 bits (mx.quantize; attention runs on them "
+        None, "Store the kept keys and values quantized to 4 or 8 bits (mx.quantize; decode steps attend "
         "through mlx_lm's quantized SDPA); 'none' = full precision. Eviction still scores full-precision keys.",
         parse=parse_kv_bits, metavar="4|8|none")
     kv_group_size: int = _setting(
