@@ -565,7 +565,7 @@ def stats_line(result: Any) -> str:
               help="Documents measured (the first ones of DOCS, or of the shipped corpus).")
 @click.option("--doc-tokens", type=click.IntRange(min=256), default=1536, show_default=True,
               help="Each document is cut to its first N tokens.")
-@click.option("--quick", is_flag=True, help="One document of 1024 tokens and four candidates (a few minutes).")
+@click.option("--quick", is_flag=True, help="One document of 1024 tokens, one filler and four candidates (a few minutes).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Also write the full result as JSON here.")
 @click.option("--no-save", is_flag=True, help="Do not save the choice as this model's tuning (--preset auto).")
 @click.version_option(__version__, prog_name="knorm-tune")
@@ -575,7 +575,8 @@ def tune_command(docs: Optional[str], model: str, context_field: str, budget: Op
     """Measure eviction layouts on YOUR model (and your documents, DOCS: JSONL rows
     with the document in --context-field) on three tasks at equal budget, through
     the product's own prefill: summary fidelity (the full cache's own summary,
-    teacher-forced), pass keys placed inside the documents, and perplexity. Prints
+    teacher-forced), pass keys placed inside the documents and in repeated filler,
+    and perplexity: one prefill per layout and document serves all three. Prints
     the table (the chosen layout first), saves the choice as this model's tuning
     (used by --preset auto and knorm_gen.tuned_config) and, with --out, the JSON.
 
@@ -585,7 +586,7 @@ def tune_command(docs: Optional[str], model: str, context_field: str, budget: Op
     import json
 
     from .models import get_model
-    from .tune import CANDIDATES, QUICK_ARMS, TUNE_ARMS, Doc, save_tuning, tune
+    from .tune import CANDIDATES, QUICK_ARMS, TUNE_ARMS, TUNE_FILLERS, Doc, save_tuning, tune
 
     names = QUICK_ARMS if quick and not arms else tuple(a.strip() for a in (arms or ",".join(TUNE_ARMS)).split(","))
     unknown = [a for a in names if a not in CANDIDATES]
@@ -615,7 +616,7 @@ def tune_command(docs: Optional[str], model: str, context_field: str, budget: Op
                f"{sum(lengths) // len(lengths)} tokens at {ratio:.1f}x, job {job_kind}", err=True)
     try:
         record = tune(loaded, tokenizer, documents, ratio=ratio, job=job_kind, arms=names, doc_tokens=doc_tokens,
-                      log=lambda m: None)
+                      fillers=TUNE_FILLERS[:1] if quick else TUNE_FILLERS, log=lambda m: None)
     except KeyboardInterrupt:
         click.echo("knorm-tune: interrupted", err=True)
         sys.exit(EXIT_INTERRUPTED)
@@ -669,15 +670,21 @@ def tune_table(record: dict) -> str:
 
     table = record["table"]
     order = [record["chosen"]] + [a for a in table if a not in (record["chosen"], "full")] + ["full"]
-    lines = [f"{'layout':15s} {'fidelity':>8s} {'wins/rand':>9s} {'keys':>7s} {'ppl x':>6s}  memory"]
+    lines = [f"{'layout':15s} {'fidelity':>8s} {'wins/rand':>9s} {'keys':>7s} {'in docs':>8s} {'filler':>7s} "
+             f"{'ppl x':>6s}  memory"]
     for a in order:
         v = table[a]
         rec = "-" if v["recovered"] is None else f"{v['recovered']:.0%}"
         ppl = "-" if v["ppl_ratio"] is None else f"{v['ppl_ratio']:.3f}"
         mem = "grows with input" if a == "full" or not bounded(CANDIDATES.get(a, {})) else "bounded"
         mark = " <- chosen" if a == record["chosen"] else ""
+        filler, filler_full = v.get("filler_keys_of_full", 0), v.get("filler_full_keys", 0)
+        in_docs = f"{v['keys_of_full'] - filler}/{v['full_keys'] - filler_full}"
         lines.append(f"{a:15s} {rec:>8s} {v['wins_vs_random']:>4d}/{v['fidelity_docs']:<4d} "
-                     f"{v['keys_of_full']:>3d}/{v['full_keys']:<3d} {ppl:>6s}  {mem}{mark}")
+                     f"{v['keys_of_full']:>3d}/{v['full_keys']:<3d} {in_docs:>8s} {f'{filler}/{filler_full}':>7s} "
+                     f"{ppl:>6s}  {mem}{mark}")
+    lines.append("keys: found of those the full cache found (in the documents, in repeated filler); "
+                 "fidelity: summary recovered; ppl: perplexity of each document's end vs the full cache")
     lines.append(f"chosen: {record['chosen']} {record['layout']}: {record['why']}")
     return "\n".join(lines)
 

@@ -4,6 +4,9 @@ then uses read back from its records."""
 
 import json
 
+import mlx.core as mx
+import numpy as np
+
 import pytest
 from click.testing import CliRunner
 
@@ -127,3 +130,65 @@ def test_a_quick_tuning_on_the_tiny_model_saves_its_choice(tiny_model_dir, tmp_p
     assert set(record["table"]) == {"full", "blend_cov25", "keydiff", "low_cov25", "random"}
     model, _ = load_model(str(tiny_model_dir))
     assert load_tuning(model)["chosen"] == record["chosen"]
+
+
+def test_when_no_layout_meets_the_keys_target_the_one_with_most_keys_is_chosen():
+    # The needles of real prose are lost by every layout at 4x: the choice must still
+    # prefer the layout that keeps the filler keys over one that keeps a little more
+    # of the summary and no key at all.
+    table = dict([row("full", 1.0, 10), row("random", 0.70, 0), row("keydiff", 0.69, 5),
+                  row("low_cov25", 0.72, 0), row("retrieval", 0.40, 6)])
+    name, why = choose(table, "both", ARMS)
+    assert name == "keydiff" and "misses pass keys 50%" in why
+    # a layout missing two targets never beats one missing one
+    table["keydiff"] = row("keydiff", 0.60, 5)[1]
+    assert choose(table, "both", ARMS)[0] == "low_cov25"
+
+
+def test_summarize_splits_the_keys_found_in_filler_from_those_in_documents():
+    rows = [dict(task="passkey", doc="filler:grass", arm=a, mode="ctq", key="1", ok=True) for a in ("full", "low")]
+    rows += [dict(task="passkey", doc="d", arm="full", mode="ctq", key="2", ok=True),
+             dict(task="passkey", doc="d", arm="low", mode="ctq", key="2", ok=False)]
+    table = summarize(rows, ["full", "low"])
+    assert (table["low"]["keys_of_full"], table["low"]["filler_keys_of_full"]) == (1, 1)
+    assert (table["low"]["full_keys"], table["low"]["filler_full_keys"]) == (2, 1)
+
+
+def _nll_at(logits, ids, first, last):
+    """Mean NLL of ids[first:last] from one full forward pass's logits (a numpy reference)."""
+    lg = np.array(logits.astype(mx.float32))[0]
+    lp = lg - np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1, keepdims=True)) - lg.max(-1, keepdims=True)
+    return float(-np.mean([lp[i - 1, ids[i]] for i in range(first, last)]))
+
+
+def test_one_prefill_per_arm_gives_the_full_caches_nll_of_the_tail_and_of_its_summary(tiny_model_dir, monkeypatch):
+    import knorm_gen.tune
+
+    # the random tiny model's summary is one token repeated: keep it whole, so there is one to score
+    monkeypatch.setattr(knorm_gen.tune, "cut_repetition", lambda ids: ids)
+    from knorm_gen.prompts import context_spans, split_question_prompts
+    from knorm_gen.tune import KEY_QUESTION, SUMMARY_QUESTION, Doc, Tuner
+
+    model, tok = load_model(str(tiny_model_dir))
+    doc = Doc("d", "The harbor keeps a log of ships and storms. Gulls cry over the pier at noon. " * 30)
+    tuner = Tuner(model, tok, {"low_cov25": CANDIDATES["low_cov25"], "random": CANDIDATES["random"]})
+    rows = tuner.document(doc, "12345", 0.5, max_tokens=12, tail=64)
+    got = {(r["task"], r["arm"]): r for r in rows}
+    assert {a for t, a in got if t == "passkey"} == {"full", "low_cov25", "random"}
+    assert all(got[("ppl", a)]["budget"] == got[("passkey", a)]["budget"] for a in ("low_cov25", "random"))
+    # reference: one plain forward pass of the whole prompt through mlx_lm's own KVCache
+    text = with_needle(doc.text, 0.5, "12345")
+    prefix, (sum_q, _) = split_question_prompts(tok, text, [SUMMARY_QUESTION, KEY_QUESTION], chat=tuner.chat)
+    (start, end), = context_spans(tok, text, prefix, chat=tuner.chat)
+    tail = min(64, (end - start) // 4)
+    logits = model(mx.array(prefix)[None])
+    assert got[("ppl", "full")]["nll"] == pytest.approx(_nll_at(logits, prefix, end - tail, end), rel=1e-4)
+    none = got[("fidelity", "none")]
+    ref = none["reference_ids"]
+    assert len(ref) >= 4
+    whole = prefix + sum_q + ref
+    want = _nll_at(model(mx.array(whole)[None]), whole, len(prefix) + len(sum_q), len(whole))
+    assert got[("fidelity", "full")]["nll"] == pytest.approx(want, rel=1e-4)
+    # the compressed arms hold the budget's bytes (and the pinned template), not the document's
+    low = got[("fidelity", "low_cov25")]
+    assert low["kept_bytes"] < 0.5 * low["full_bytes"]
