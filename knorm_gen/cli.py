@@ -495,9 +495,10 @@ def generate_command(ctx: click.Context, prompt: str, model: str, preset: Option
         loaded, tokenizer = get_model(model, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
         tokenizer = prepare_tokenizer(tokenizer, options)
         if preset == "auto":
-            from .tune import auto_config
+            from .tune import auto_config, run_ratio
 
-            eviction, note = auto_config(loaded, eviction, auto_layout({**opts, "preset": preset}))
+            eviction, note = auto_config(loaded, eviction, auto_layout({**opts, "preset": preset}),
+                                         run_ratio(tokenizer, [text], eviction.budget))
             click.echo(f"knorm-generate: {note}", err=True)
         resolved = eviction.for_model(loaded)
     except (BatchUsageError, ValueError) as e:

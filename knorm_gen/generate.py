@@ -26,10 +26,13 @@ Eviction = Union[EvictionConfig, ResolvedEviction, None]
 
 
 def resolve_settings(model: Any, eviction: Eviction, generation: Optional[GenerationConfig],
-                     settings: dict) -> tuple[ResolvedEviction, GenerationConfig]:
+                     settings: dict, tokenizer: Any = None, texts: Sequence[Any] = ()) -> tuple[ResolvedEviction,
+                                                                                             GenerationConfig]:
     """The configs a call runs with: keyword fields over the configs, the eviction
     settings resolved for ``model`` (a :class:`ResolvedEviction` is taken as it is
-    unless a keyword changes it)."""
+    unless a keyword changes it). With ``preset="auto"``, the documents ``texts``
+    tell the run's compression, which the saved tuning must match
+    (:func:`~knorm_gen.tune.auto_config`)."""
     if isinstance(eviction, ResolvedEviction) and not set(settings) & {*EvictionConfig.__dataclass_fields__, "preset"}:
         _, generation = make_configs(None, generation, **settings)
         return eviction, generation
@@ -37,10 +40,11 @@ def resolve_settings(model: Any, eviction: Eviction, generation: Optional[Genera
         raise TypeError("eviction settings given as keywords need an EvictionConfig, not a resolved one")
     eviction, generation = make_configs(eviction, generation, **settings)
     if settings.get("preset") == "auto":  # the model's saved tuning (knorm-tune); the default without one
-        from .tune import auto_config
+        from .tune import auto_config, run_ratio
 
-        eviction, note = auto_config(model, eviction, tuple(k for k in LAYOUT_FIELDS if k in settings))
-        if note.startswith("preset auto: no saved tuning"):
+        ratio = run_ratio(tokenizer, texts, eviction.budget) if tokenizer is not None else None
+        eviction, note = auto_config(model, eviction, tuple(k for k in LAYOUT_FIELDS if k in settings), ratio)
+        if note.startswith("preset auto: no saved tuning") or "so the default layout runs" in note:
             warnings.warn(note, stacklevel=3)
     return eviction.for_model(model), generation
 
@@ -97,7 +101,7 @@ def stream_with_eviction(
 ) -> Iterator[Union[str, GenerationResult]]:
     """Like :func:`generate_with_eviction`, but yields text pieces as they are
     decoded and ends with the :class:`GenerationResult`."""
-    eviction, generation = resolve_settings(model, eviction, generation, settings)
+    eviction, generation = resolve_settings(model, eviction, generation, settings, tokenizer, [prompt])
     tok = as_tokenizer(tokenizer)
     yield from stream_request(model, tok, prompt_request(model, tok, 0, prompt, eviction, generation))
 
@@ -154,7 +158,8 @@ def stream_batch_with_eviction(
     as each row finishes (not in input order). Prompts are read lazily, so an
     endless iterable works; at most ``batch_size`` rows are in flight (the
     scheduler ``knorm-batch`` uses, so the two compute the same batches)."""
-    eviction, generation = resolve_settings(model, eviction, generation, settings)
+    eviction, generation = resolve_settings(model, eviction, generation, settings, tokenizer,
+                                            prompts if isinstance(prompts, (list, tuple)) else ())
     tok = as_tokenizer(tokenizer)
 
     def requests() -> Iterator[Request]:
@@ -227,7 +232,7 @@ def answer_questions(
     in order; each result's ``prefill_s`` includes the shared context prefill,
     also reported alone as ``context_prefill_s``.
     """
-    eviction, generation = resolve_settings(model, eviction, generation, settings)
+    eviction, generation = resolve_settings(model, eviction, generation, settings, tokenizer, [context])
     tok = as_tokenizer(tokenizer)
     request = question_request(model, tok, "context", context, questions, eviction, generation)
     ((_, results),) = run_jobs(model, tok, [request], batch_size=batch_size, seed=generation.seed)

@@ -62,7 +62,7 @@ from .models import ModelUsageError, get_model, with_run_options
 from .resume import Outputs, ResumePlan, Wanted, merge_group, plan_run
 from .rows import Row, read_rows
 from .runner import RowRunner, RowSettings
-from .tune import auto_config
+from .tune import auto_config, run_ratio
 from .sink import FIRST_ERRORS, Interrupted, Signals, Sink, row_name, stderr_log
 
 __all__ = [
@@ -436,7 +436,8 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
         tokenizer = prepare_tokenizer(tokenizer, options)
         eviction, note = options.eviction, None
         if options.auto_layout is not None:
-            eviction, note = auto_config(model, options.eviction, options.auto_layout)
+            ratio = run_ratio(tokenizer, _first_documents(stream, options.rows), options.eviction.budget)
+            eviction, note = auto_config(model, options.eviction, options.auto_layout, ratio)
         try:
             runner = _Runner(model, tokenizer, model_spec=options.model, eviction=eviction,
                              generation=options.generation, batch_size=options.batch_size, rows=options.rows,
@@ -583,6 +584,19 @@ def _open_writer(path: str, fresh: bool, stdout: Optional[BinaryIO]) -> rec.Reco
         return rec.RecordWriter.open(path, fresh=fresh)
     except OSError as e:
         raise BatchUsageError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _first_documents(stream: BinaryIO, shape: Any, limit: int = 64) -> list:
+    """The documents (context, else prompt) of the input's first ``limit`` rows, for
+    ``--preset auto``'s check of the run's compression; the stream is rewound."""
+    texts = []
+    for item in read_rows(stream, shape=shape):
+        if isinstance(item, Row):
+            texts.append(item.context if item.context is not None else item.prompt)
+        if len(texts) >= limit:
+            break
+    stream.seek(0)
+    return texts
 
 
 def _scan_rows(stream: BinaryIO, runner: RowRunner, limit: Optional[int], group: Group) -> tuple[Wanted, int, int]:

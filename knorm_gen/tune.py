@@ -472,23 +472,54 @@ def tuned_config(model: Any, budget: Optional[int] = None) -> EvictionConfig:
     return EvictionConfig(**{**saved["layout"], "budget": budget if budget is not None else saved["budget"]})
 
 
-def auto_config(model: Any, eviction: EvictionConfig, given: Sequence[str] = ()) -> tuple[EvictionConfig, str]:
+RATIO_TOLERANCE = 1.5
+"""``--preset auto`` uses a tuning for runs that compress within this factor of the
+ratio it was measured at (tuned at 4x: 2.7x to 6x); outside it the default runs."""
+
+
+def run_ratio(tokenizer: Any, texts: Iterable[Any], budget: Optional[int]) -> Optional[float]:
+    """A run's compression, as ``knorm-tune`` measures it: the mean tokens of its
+    documents (``texts``: strings, token ids or chat messages) per budget token.
+    None without a budget or a text."""
+    if budget is None:
+        return None
+    tok = as_tokenizer(tokenizer)
+    counts = []
+    for t in texts:
+        if isinstance(t, str):
+            counts.append(len(tok.encode(t, add_special_tokens=False)))
+        elif isinstance(t, (list, tuple)) and t and all(isinstance(m, dict) for m in t):
+            counts.append(sum(len(tok.encode(str(m.get("content", "")), add_special_tokens=False)) for m in t))
+        elif isinstance(t, (list, tuple)) or hasattr(t, "shape"):
+            counts.append(len(t))
+    return sum(counts) / len(counts) / budget if counts else None
+
+
+def auto_config(model: Any, eviction: EvictionConfig, given: Sequence[str] = (),
+                ratio: Optional[float] = None) -> tuple[EvictionConfig, str]:
     """``--preset auto``: the saved tuning's layout at ``eviction``'s budget (the
     layout fields named in ``given``, set by the user beside the preset, stay), or
-    the default layout; and one line saying which and why. A tuning made at another
-    budget ratio is still this model's best measured layout, so it is used; the line
-    says at which ratio it was measured."""
+    the default layout; and one line saying which and why. ``ratio``: the run's
+    compression (:func:`run_ratio`); a tuning measured at a ratio more than
+    :data:`RATIO_TOLERANCE` times off it is not used (the line says so and how to
+    tune for this ratio). Tunings are kept per model (a digest of its weights), so
+    another model's is never found."""
     from dataclasses import replace
 
     saved = load_tuning(model)
     if saved is None:
         return eviction, ("preset auto: no saved tuning for this model, so the default layout runs (keep="
                           f"{eviction.keep}); run `knorm-tune --model ...` to measure one")
+    if ratio is not None and max(ratio / saved["ratio"], saved["ratio"] / ratio) > RATIO_TOLERANCE:
+        return eviction, (f"preset auto: this model's tuning was measured at {saved['ratio']:g}x and this run "
+                          f"compresses about {ratio:.1f}x, so the default layout runs (keep={eviction.keep}); "
+                          f"run `knorm-tune --model ... --ratio {ratio:.1f}` to tune for it")
     fields = {k: v for k, v in saved["layout"].items() if k != "budget" and k not in given}
     if "skip_layers" in fields and fields["skip_layers"] is not None:
         fields["skip_layers"] = tuple(fields["skip_layers"])
     return replace(eviction, **fields), (f"preset auto: {saved['chosen']} ({_describe(fields)}), tuned for job "
-                                         f"{saved['job']} at {saved['ratio']:g}x on {len(saved['docs'])} documents")
+                                         f"{saved['job']} at {saved['ratio']:g}x on {len(saved['docs'])} documents"
+                                         + (f" (this run: about {ratio:.1f}x)" if ratio is not None else ""))
 
 
 def _describe(fields: dict) -> str:

@@ -75,7 +75,7 @@ def test_no_tuning_names_the_command_and_a_saved_one_is_used(tiny_model_dir, tmp
 def test_preset_auto_uses_the_saved_tuning_and_says_so(tiny_model_dir, tmp_path):
     model, _ = load_model(str(tiny_model_dir))
     docs = tmp_path / "docs.jsonl"
-    docs.write_text(json.dumps({"id": 1, "text": "The river runs to the sea. " * 8}) + "\n")
+    docs.write_text(json.dumps({"id": 1, "text": "The river runs to the sea. " * 4}) + "\n")
     common = [str(docs), "--model", str(tiny_model_dir), "--context-field", "text", "--question", "Sum up.",
               "--budget", "24", "--max-tokens", "3", "--preset", "auto"]
     out = tmp_path / "a.jsonl"
@@ -192,3 +192,37 @@ def test_one_prefill_per_arm_gives_the_full_caches_nll_of_the_tail_and_of_its_su
     # the compressed arms hold the budget's bytes (and the pinned template), not the document's
     low = got[("fidelity", "low_cov25")]
     assert low["kept_bytes"] < 0.5 * low["full_bytes"]
+
+
+def test_preset_auto_with_a_tuning_made_at_another_ratio_says_so_and_runs_the_default(tiny_model_dir, tmp_path):
+    import warnings
+
+    from knorm_gen import generate_with_eviction
+
+    model, tok = load_model(str(tiny_model_dir))
+    text = "The river runs to the sea. " * 14
+    n = len(tok.encode(text, add_special_tokens=False))
+    save_tuning(model, dict(chosen="keydiff_cov25", layout=CANDIDATES["keydiff_cov25"], job="both", ratio=4.0,
+                            budget=24, docs=["a"], why="test", model_identity=model_identity(model)))
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"id": 1, "text": text}) + "\n")
+    common = [str(docs), "--model", str(tiny_model_dir), "--context-field", "text", "--question", "Sum up.",
+              "--max-tokens", "3", "--preset", "auto"]
+    # near the tuned ratio: the tuning runs
+    out = tmp_path / "near.jsonl"
+    result = CliRunner().invoke(batch_command, [*common, "--budget", str(n // 4), "-o", str(out)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0 and json.loads(out.read_text())["config"]["keep"] == "keydiff"
+    # four times the compression it was tuned at: the default, and the line says why
+    out = tmp_path / "far.jsonl"
+    result = CliRunner().invoke(batch_command, [*common, "--budget", str(n // 16), "-o", str(out)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "measured at 4x" in result.stderr and "--ratio 16" in result.stderr
+    assert json.loads(out.read_text())["config"]["keep"] == EvictionConfig().keep
+    # the Python call warns the same way
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        r = generate_with_eviction(model, tok, text, budget=n // 16, preset="auto", max_tokens=2, chat=False)
+    assert r.config["keep"] == EvictionConfig().keep
+    assert any("measured at 4x" in str(w.message) for w in seen)
