@@ -638,7 +638,11 @@ def _tune_documents(path: Optional[str], field: str, limit: int) -> list:
     from .tune import Doc
 
     if path is None:
-        return [Doc(f"pydoc:{name}", text) for name, text in pydoc_sections(min_chars=9000)[:limit]]
+        shipped = [Doc(f"pydoc:{name}", text) for name, text in pydoc_sections(min_chars=9000)[:limit]]
+        if not shipped:
+            raise UsageFailure("no documents to tune on: this Python has no pydoc_data.topics (the shipped corpus); "
+                               "give your own as DOCS (JSONL rows with the document in --context-field)")
+        return shipped
     docs = []
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -691,6 +695,7 @@ def tune_table(record: dict) -> str:
 
 
 def _tune_plot(record: dict, path: Path) -> None:
+    """Fidelity and pass keys against the KV bytes each layout kept (mean per document)."""
     try:
         import matplotlib
 
@@ -699,15 +704,26 @@ def _tune_plot(record: dict, path: Path) -> None:
     except ImportError:
         click.echo("knorm-tune: no plot (pip install 'knorm-gen[plot]' for matplotlib)", err=True)
         return
-    table = {a: v for a, v in record["table"].items() if a != "full"}
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for a, v in table.items():
-        if v["recovered"] is not None:
-            ax.scatter(v["keys_of_full"] / max(v["full_keys"], 1), v["recovered"], label=a)
-            ax.annotate(a, (v["keys_of_full"] / max(v["full_keys"], 1), v["recovered"]), fontsize=7)
-    ax.set_xlabel("pass keys, share of the full cache's")
-    ax.set_ylabel("summary fidelity (recovered)")
-    ax.set_title(f"knorm-tune at {record['ratio']:.1f}x (equal bytes)")
+    kept: dict[str, list] = {}
+    for r in record["rows"]:
+        if r["task"] == "fidelity" and r["arm"] != "none" and "kept_bytes" in r:
+            kept.setdefault(r["arm"], []).append(r["kept_bytes"])
+            kept.setdefault("full", []).append(r["full_bytes"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for a, v in record["table"].items():
+        if a not in kept:
+            continue
+        mib = sum(kept[a]) / len(kept[a]) / 2**20
+        keys = v["keys_of_full"] / max(v["full_keys"], 1)
+        for ax, y in zip(axes, (v["recovered"], keys)):
+            if y is not None:
+                ax.scatter(mib, y, marker="*" if a == record["chosen"] else "o")
+                ax.annotate(a, (mib, y), fontsize=7)
+    axes[0].set_ylabel("summary fidelity (recovered share)")
+    axes[1].set_ylabel("pass keys (share of the full cache's)")
+    for ax in axes:
+        ax.set_xlabel("KV kept per document, MiB (mean)")
+    fig.suptitle(f"knorm-tune at {record['ratio']:.1f}x: {record['chosen']} chosen (*)")
     fig.tight_layout()
     fig.savefig(path)
     click.echo(f"knorm-tune: plot {path}", err=True)

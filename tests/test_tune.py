@@ -226,3 +226,11 @@ def test_preset_auto_with_a_tuning_made_at_another_ratio_says_so_and_runs_the_de
         r = generate_with_eviction(model, tok, text, budget=n // 16, preset="auto", max_tokens=2, chat=False)
     assert r.config["keep"] == EvictionConfig().keep
     assert any("measured at 4x" in str(w.message) for w in seen)
+
+
+def test_no_documents_and_no_shipped_corpus_is_a_usage_error(tiny_model_dir, monkeypatch):
+    import knorm_gen.corpus
+
+    monkeypatch.setattr(knorm_gen.corpus, "pydoc_sections", lambda min_chars=0: [])
+    result = CliRunner().invoke(tune_command, ["--model", str(tiny_model_dir)])
+    assert result.exit_code == 2 and "no documents to tune on" in result.output and "DOCS" in result.output
