@@ -43,13 +43,14 @@ def arm_fields(name: str) -> dict:
 
 
 def merged(paths) -> list[dict]:
-    """The results files grouped by (model, split): rows of runs over the same documents
+    """The results files grouped by (model, split, ratio): rows of runs over the same documents
     join (each run measures its own arms; the full cache and no-document rows, which do
     not depend on the arms, are kept once)."""
     groups: dict[tuple, dict] = {}
     for path in paths:
         d = json.loads(Path(path).read_text())
-        g = groups.setdefault((d["model"], d["split"]), {**d, "rows": [], "arms": {}, "docs": [], "fillers": []})
+        g = groups.setdefault((d["model"], d["split"], d["ratio"]),
+                              {**d, "rows": [], "arms": {}, "docs": [], "fillers": []})
         g["arms"].update(d["arms"])
         g["docs"] += [x for x in d["docs"] if x not in g["docs"]]
         g["fillers"] += [x for x in d["fillers"] if x not in g["fillers"]]
