@@ -559,9 +559,10 @@ def stats_line(result: Any) -> str:
               show_default=True, help="What the layout is chosen for.")
 @click.option("--arms", default=None, help="Candidates, comma-separated (default: the bounded rules alone and with "
               "coverage, and random eviction). All: " + ",".join(("keydiff", "low", "blend", "low_cov25", "low_cov50",
-                                                                  "keydiff_cov25", "blend_cov25", "leverage",
-                                                                  "leverage_cov25", "retrieval", "paper",
-                                                                  "random")))
+                                                                  "keydiff_cov25", "keydiff_cov50", "blend_cov25",
+                                                                  "blend_cov50", "blend_cov75", "leverage",
+                                                                  "leverage_cov25", "retrieval", "retrieval_cov25",
+                                                                  "paper", "random")))
 @click.option("--docs-limit", type=click.IntRange(min=1), default=4, show_default=True,
               help="Documents measured (the first ones of DOCS, or of the shipped corpus).")
 @click.option("--doc-tokens", type=click.IntRange(min=256), default=1536, show_default=True,

@@ -46,6 +46,8 @@ CANDIDATES: dict[str, dict] = {
     "keydiff_cov25": dict(keep="keydiff", skip_layers=(), coverage=0.25),
     "keydiff_cov50": dict(keep="keydiff", skip_layers=(), coverage=0.5),
     "blend_cov25": dict(keep="blend", skip_layers=(), coverage=0.25),
+    "blend_cov50": dict(keep="blend", skip_layers=(), coverage=0.5),
+    "blend_cov75": dict(keep="blend", skip_layers=(), coverage=0.75),
     "leverage": dict(keep="leverage", skip_layers=(), coverage=0.0),
     "leverage_cov25": dict(keep="leverage", skip_layers=(), coverage=0.25),
     "retrieval": dict(keep="low", skip_layers=None, coverage=0.0),  # the first 30% of layers whole: unbounded

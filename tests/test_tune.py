@@ -234,3 +234,8 @@ def test_no_documents_and_no_shipped_corpus_is_a_usage_error(tiny_model_dir, mon
     monkeypatch.setattr(knorm_gen.corpus, "pydoc_sections", lambda min_chars=0: [])
     result = CliRunner().invoke(tune_command, ["--model", str(tiny_model_dir)])
     assert result.exit_code == 2 and "no documents to tune on" in result.output and "DOCS" in result.output
+
+
+def test_the_arms_help_names_every_candidate():
+    arms = next(p for p in tune_command.params if p.name == "arms")
+    assert set(arms.help.split("All: ")[1].split(",")) == set(CANDIDATES)
