@@ -104,6 +104,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--split", choices=("tune", "heldout"), default="tune")
     ap.add_argument("--arms", default=",".join(CANDIDATES), help="candidates, comma-separated")
     ap.add_argument("--docs", type=int, default=3, help="documents of the split")
+    ap.add_argument("--skip", type=int, default=0, help="leave out the split's first N documents (a fresh set)")
     ap.add_argument("--doc-tokens", type=int, default=2048)
     ap.add_argument("--key-doc-tokens", type=int, default=1536, help="pass keys: documents cut to this many tokens")
     ap.add_argument("--ratio", type=float, default=4.0)
@@ -118,7 +119,7 @@ def main(argv=None) -> dict:
     model, tok = load_model(None if args.model == "default" else args.model)
     all_docs = documents(tok)
     split = all_docs[0::2] if args.split == "tune" else all_docs[1::2]
-    docs = [Doc(d.name, head_tokens(tok, d.text, args.doc_tokens)) for d in split[: args.docs]]
+    docs = [Doc(d.name, head_tokens(tok, d.text, args.doc_tokens)) for d in split[args.skip : args.skip + args.docs]]
     arms = {a: arm_fields(a) for a in args.arms.split(",") if a}
     out = Path(args.out or RESULTS / f"choose_default-{args.model}-{args.split}.json")
     done = json.loads(Path(args.add_to).read_text())["rows"] if args.add_to else []
