@@ -396,7 +396,9 @@ def protect_recent(rank: mx.array, first_recent: mx.array | int) -> mx.array:
 def cover_slots(budget: int, coverage: float, reserved: int = 0) -> int:
     """Slots of a ``budget`` that coverage keeps evenly spread: ``coverage`` of it, but
     always at least one slot left to the rule beside the ``reserved`` ones (sinks and
-    the recent window), so a small budget keeps its meaning."""
+    the recent window), so a small budget keeps its meaning. The positions covered are
+    fewer: the multiples of a power-of-two stride (:func:`coverage_stride`) that fit in
+    these slots, between half of them and all; the slots they leave go to the rule."""
     return max(0, min(int(coverage * budget), budget - reserved - 1))
 
 
