@@ -159,7 +159,7 @@ def stream_batch_with_eviction(
     endless iterable works; at most ``batch_size`` rows are in flight (the
     scheduler ``knorm-batch`` uses, so the two compute the same batches)."""
     eviction, generation = resolve_settings(model, eviction, generation, settings, tokenizer,
-                                            prompts if isinstance(prompts, (list, tuple)) else ())
+                                            list(prompts[:64]) if isinstance(prompts, (list, tuple)) else ())
     tok = as_tokenizer(tokenizer)
 
     def requests() -> Iterator[Request]:

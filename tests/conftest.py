@@ -200,12 +200,14 @@ class LeverageReference:
         return -np.einsum("hnd,hde,hne->hn", x, self.inv, x)
 
 
-def numpy_running_kept(keys, splits, budget, n_sink, recent, keep):
+def numpy_running_kept(keys, splits, budget, n_sink, recent, keep, margins=None):
     """Kept positions per head of one row fed in ``splits``, with the anchor the mean
     unit key of everything seen up to and including each block (``leverage``: its
     :class:`LeverageReference`); a block of more than one token first re-scores the
     held keys against that anchor (attend first, evict after: over budget, the
-    ``budget`` best of held + new by (protected, score, position))."""
+    ``budget`` best of held + new by (protected, score, position)). ``margins``: a
+    list that gets, per eviction and head, the relative gap between the worst score
+    kept and the best evicted (a near-tie float32 may break either way)."""
     lev = LeverageReference(keys) if keep == "leverage" else None
     keys = keys[0].astype(np.float64)
     heads, dim = keys.shape[0], keys.shape[2]
@@ -232,5 +234,10 @@ def numpy_running_kept(keys, splits, budget, n_sink, recent, keep):
             held[h] += [(scores[h, i], seen - size + i) for i in range(size)]
             if len(held[h]) > budget:
                 held[h].sort(key=lambda sp: (0, sp[1]) if sp[1] < n_sink or sp[1] >= seen - recent else (1, *sp))
+                if margins is not None:
+                    free = [sc for sc, p in held[h] if n_sink <= p < seen - recent]
+                    cut = budget - (len(held[h]) - len(free))
+                    if 0 < cut < len(free):
+                        margins.append(abs(free[cut] - free[cut - 1]) / max(abs(free[cut]), abs(free[cut - 1]), 1e-30))
                 held[h] = held[h][:budget]
     return [sorted(p for _, p in h) for h in held]

@@ -561,6 +561,11 @@ def attend(q, k, v, mask):
     return w @ v.astype(np.float64)
 
 
+NEAR_TIE = 1e-4
+"""A relative gap between the worst score kept and the best evicted below which
+float32 paths may disagree (tests/conftest.py numpy_running_kept's margins)."""
+
+
 class Feeder:
     """Feeds rows of keys to a batch cache and to one single-row cache per row,
     checking every returned attention against the single rows'."""
@@ -581,6 +586,7 @@ class Feeder:
     def chunk(self, sizes):
         """One call: row b gets its next sizes[b] tokens, right-padded to the widest."""
         n = max(sizes)
+        tied = [self.tied(b) for b in range(len(sizes))]  # before this block, which may break a tie either way
         # padding holds garbage (as a model's padded positions do): it must never count
         blk_k = self.rng.normal(size=(len(sizes), HEADS, n, DIM)).astype(np.float32) * 3.0
         blk_v = np.zeros_like(blk_k)
@@ -606,9 +612,24 @@ class Feeder:
             c = sk.shape[2] - size
             causal = np.concatenate([np.ones((size, c), bool), np.tril(np.ones((size, size), bool))], axis=1)
             want = attend(q[b : b + 1, :, :size], sk, sv, causal)
-            np.testing.assert_allclose(got[b : b + 1, :, :size], want, rtol=1e-5, atol=1e-5)
+            if not tied[b]:
+                np.testing.assert_allclose(got[b : b + 1, :, :size], want, rtol=1e-5, atol=1e-5)
             self.fed[b] += size
             self.splits[b].append(size)
+
+    def tied(self, b) -> bool:
+        """Whether row ``b`` of the batch holds other tokens than its single-row twin;
+        allowed only where the float64 reference met a near-tie (then they may differ
+        for ever after), else a failure."""
+        if self.fed[b] == 0 or self.settings[3] not in RUNNING:
+            return False
+        same = np.array_equal(kept_positions(self.batch.extract(b)), kept_positions(self.singles[b]))
+        if same:
+            return False
+        margins: list = []
+        numpy_running_kept(self.keys[b][:, :, : self.fed[b]], self.splits[b], *self.settings, margins=margins)
+        assert margins and min(margins) < NEAR_TIE, "batch and single rows differ with no tie to explain it"
+        return True
 
     def check(self):
         budget, n_sink, recent, keep = self.settings
@@ -616,13 +637,26 @@ class Feeder:
             row = self.batch.extract(b)
             assert row.offset == self.fed[b] == self.batch.seen[b]
             got = kept_positions(row)
-            np.testing.assert_array_equal(got, kept_positions(self.singles[b]))
+            assert got.max(initial=-1) < self.fed[b]  # padding is never kept
+            margins: list = []
             if keep in RUNNING:
-                want = numpy_running_kept(self.keys[b][:, :, : self.fed[b]], self.splits[b], *self.settings)
+                want = numpy_running_kept(self.keys[b][:, :, : self.fed[b]], self.splits[b], *self.settings,
+                                          margins=margins)
             else:
                 want = numpy_kept(self.keys[b][:, :, : self.fed[b]], *self.settings)
+            if margins and min(margins) < NEAR_TIE:
+                # the float64 reference itself met a (near-)tie at some eviction: float32 may break it
+                # either way, differently at another batch shape or BLAS path, and what is held after
+                # it differs. What must hold whatever the tie: the budget, and the sinks and recent
+                # window kept.
+                seen = self.fed[b]
+                must = set(range(min(n_sink, seen))) | set(range(max(seen - recent, 0), seen))
+                for heads in (got[0], kept_positions(self.singles[b])[0]):
+                    for h in heads:
+                        assert len(h) == min(budget, seen) and must <= set(int(p) for p in h)
+                continue
+            np.testing.assert_array_equal(got, kept_positions(self.singles[b]))
             assert [list(g) for g in got[0]] == want
-            assert got.max(initial=-1) < self.fed[b]  # padding is never kept
         assert [int(x) for x in np.array(self.batch.offset)] == self.fed
 
 
