@@ -787,14 +787,15 @@ def make_eviction_cache(model: nn.Module, config: Union[EvictionConfig, Resolved
         raise ValueError(f"these settings were resolved for a model of {config.n_layers} layers, not {len(caches)}")
     bits, group = config.kv_bits, config.kv_group_size
 
-    def layer(c, plan):
+    def layer(i, c, plan):
         if plan is not None:
-            return EvictionKVCache(plan[0], config.n_sink, plan[1], config.keep, config.coverage, spans, bits, group)
+            return EvictionKVCache(plan[0], config.n_sink, plan[1], config.keep_of(i), config.coverage, spans, bits,
+                                   group)
         if bits and is_full_attention(c):
             return EvictionKVCache(UNBOUNDED, 0, 0, "low", 0.0, ALL_EVICTABLE, bits, group)
         return c
 
-    return [layer(c, plan) for c, plan in zip(caches, config.layers)]
+    return [layer(i, c, plan) for i, (c, plan) in enumerate(zip(caches, config.layers))]
 
 
 def copy_caches(caches: Sequence[Any]) -> list:

@@ -178,6 +178,26 @@ def parse_layer_budgets(value: Any) -> Optional[dict[int, int]]:
     return out
 
 
+def parse_layer_keep(value: Any) -> Optional[dict[int, str]]:
+    """``0-5:low,20:leverage`` (layers:rule) or a table ``{"0": "low"}``; ``none`` = ``keep`` in every layer."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "")):
+        return None
+    if isinstance(value, Mapping):  # a job file's or a saved tuning's table: keys may be strings
+        return {int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else _layer_index(k, "layer_keep"): v
+                for k, v in value.items()}
+    if not isinstance(value, str):
+        raise ValueError(f"layer_keep must look like '0-5:low,20:leverage', got {value!r}")
+    out: dict[int, str] = {}
+    for part in _budget_parts(value):
+        layers, colon, rule = part.rpartition(":")
+        if not colon or rule.strip() not in KEEP_MODES:
+            raise ValueError(f"layer_keep must look like '0-5:low,20:leverage' (layers:rule, a rule of "
+                             f"{', '.join(KEEP_MODES)}), got {value!r}")
+        for layer in _layer_list(layers, "layer_keep"):
+            out[layer] = rule.strip()
+    return out
+
+
 def _budget_parts(value: str) -> list[str]:
     # "2-8:512,20:128": a comma starts a new part only after a ":budget".
     parts, current = [], ""
@@ -279,6 +299,9 @@ class EvictionConfig:
     kv_group_size: int = _setting(
         64, "Elements of a head's key or value that share one quantization scale and bias (with --kv-bits): "
         "32, 64 or 128, dividing the model's head dimension.", parse=parse_kv_group_size, metavar="32|64|128")
+    layer_keep: Optional[Mapping[int, str]] = _setting(
+        None, "Per-layer rules overriding --keep, e.g. '0-5:low,20:leverage' (knorm-tune's per-layer mixes).",
+        parse=parse_layer_keep, metavar="LAYERS:RULE,...")
 
     def __post_init__(self):
         if self.skip_layers is not None:
@@ -306,6 +329,14 @@ class EvictionConfig:
                 except ValueError as e:
                     raise ValueError(f"layer_budgets[{layer}]: {e}") from None
             object.__setattr__(self, "layer_budgets", budgets or None)
+        if self.layer_keep is not None:
+            if not isinstance(self.layer_keep, Mapping):
+                raise ValueError(f"layer_keep must map layer index to rule, got {self.layer_keep!r}")
+            rules = parse_layer_keep(self.layer_keep)
+            for layer, rule in rules.items():
+                if rule not in KEEP_MODES:
+                    raise ValueError(f"layer_keep[{layer}] must be one of {', '.join(KEEP_MODES)}; got {rule!r}")
+            object.__setattr__(self, "layer_keep", rules or None)
         if self.early_factor is not None:
             if not _is_int(self.early_factor) or self.early_factor < 1:
                 raise ValueError(f"early_factor must be an integer >= 1, got {self.early_factor!r}")
@@ -341,7 +372,7 @@ class EvictionConfig:
                 budgets = {i: self.early_factor * self.budget for i in early_layers(n_layers, full_layers)}
         elif skip is None:
             skip = early_layers(n_layers, full_layers)
-        for what, layers in (("skip_layers", skip), ("layer_budgets", budgets)):
+        for what, layers in (("skip_layers", skip), ("layer_budgets", budgets), ("layer_keep", self.layer_keep or {})):
             for i in layers:
                 if not -n_layers <= i < n_layers:
                     raise ValueError(f"{what} index {i} is out of range for a model with {n_layers} layers "
@@ -355,8 +386,9 @@ class EvictionConfig:
                     b = own.get(i, self.budget)
                     plan[i] = (b, self.layer_recent(b))
         base_recent = self.recent if self.recent is not None else auto_recent(self.budget) if self.budget else 0
+        rules = {i % n_layers: r for i, r in (self.layer_keep or {}).items()} or None
         return ResolvedEviction(self.budget, self.n_sink, base_recent, self.keep, tuple(skip), budgets or None,
-                                n_layers, full, tuple(plan), self.coverage, self.kv_bits, self.kv_group_size)
+                                n_layers, full, tuple(plan), self.coverage, self.kv_bits, self.kv_group_size, rules)
 
     def to_dict(self) -> dict:
         """JSON-ready: ``skip_layers`` as a list (or None); ``layer_budgets`` and
@@ -374,12 +406,16 @@ class EvictionConfig:
             d.pop("layer_budgets")
         else:
             d["layer_budgets"] = {str(k): v for k, v in sorted(self.layer_budgets.items())}
+        if self.layer_keep is None:
+            d.pop("layer_keep")
+        else:
+            d["layer_keep"] = {str(k): v for k, v in sorted(self.layer_keep.items())}
         return d
 
     def __hash__(self) -> int:
         return hash((self.budget, self.n_sink, self.recent, self.keep, self.skip_layers,
                      tuple(sorted((self.layer_budgets or {}).items())), self.early_factor, self.coverage,
-                     self.kv_bits, self.kv_group_size))
+                     self.kv_bits, self.kv_group_size, tuple(sorted((self.layer_keep or {}).items()))))
 
 
 @dataclass(frozen=True)
@@ -402,6 +438,11 @@ class ResolvedEviction:
     coverage: float = 0.0
     kv_bits: Optional[int] = None
     kv_group_size: int = KV_GROUP_SIZES[1]
+    layer_keep: Optional[dict[int, str]] = None  # {layer: rule} where it is not ``keep``
+
+    def keep_of(self, layer: int) -> str:
+        """The rule of ``layer``."""
+        return (self.layer_keep or {}).get(layer, self.keep)
 
     def to_dict(self) -> dict:
         """The ``config`` records and results report (the same keys as ever:
@@ -414,10 +455,13 @@ class ResolvedEviction:
             d["coverage"] = self.coverage
         if self.kv_bits:
             d["kv_bits"], d["kv_group_size"] = self.kv_bits, self.kv_group_size
+        if self.layer_keep:
+            d["layer_keep"] = {str(k): v for k, v in sorted(self.layer_keep.items())}
         return d
 
     def __hash__(self) -> int:
-        return hash((self.n_sink, self.keep, self.layers, self.coverage, self.kv_bits, self.kv_group_size))
+        return hash((self.n_sink, self.keep, self.layers, self.coverage, self.kv_bits, self.kv_group_size,
+                     tuple(sorted((self.layer_keep or {}).items()))))
 
 
 # ---- generation ----------------------------------------------------------------
@@ -567,12 +611,15 @@ DEFAULT_QUESTION_SEPARATOR = GenerationConfig.question_separator
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "paper": dict(keep="low", skip_layers=(0, 1), early_factor=None, layer_budgets=None, coverage=0.0),
-    "retrieval": dict(keep="low", skip_layers=None, early_factor=None, layer_budgets=None, coverage=0.0),
-    "summarize": dict(keep="keydiff", skip_layers=(), early_factor=None, layer_budgets=None, coverage=0.0),
+    "paper": dict(keep="low", skip_layers=(0, 1), early_factor=None, layer_budgets=None, coverage=0.0,
+                   layer_keep=None),
+    "retrieval": dict(keep="low", skip_layers=None, early_factor=None, layer_budgets=None, coverage=0.0,
+                   layer_keep=None),
+    "summarize": dict(keep="keydiff", skip_layers=(), early_factor=None, layer_budgets=None, coverage=0.0,
+                   layer_keep=None),
     "auto": {},  # the model's saved tuning: resolved once the model is loaded (knorm_gen.tune.auto_config)
 }
-LAYOUT_FIELDS = ("keep", "coverage", "skip_layers", "layer_budgets", "early_factor")
+LAYOUT_FIELDS = ("keep", "coverage", "skip_layers", "layer_budgets", "early_factor", "layer_keep")
 """The fields a layout (a preset, a saved tuning) sets; the budget and the rest are the run's."""
 """Named eviction layouts (``--preset``, ``preset=``); the fields given beside a
 preset override it. ``paper``: the paper's rule and layers (keep-low, layers 0-1

@@ -405,6 +405,31 @@ def test_layer_budgets_override_single_layers(tiny_model):
         make_eviction_cache(tiny_model, EvictionConfig(budget=8, layer_budgets={5: 16}))
 
 
+def test_layer_keep_sets_the_rule_of_single_layers(tiny_model, tmp_path):
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    from knorm_gen.config import parse_layer_keep
+
+    config = EvictionConfig(budget=8, keep="blend", layer_keep=parse_layer_keep("0:low,-1:leverage"))
+    caches = make_eviction_cache(tiny_model, config)
+    assert [c.keep for c in caches] == ["low", "blend", "leverage"]
+    assert config.to_dict()["layer_keep"] == {"0": "low", "-1": "leverage"}
+    assert config.for_model(tiny_model).to_dict()["layer_keep"] == {"0": "low", "2": "leverage"}
+    assert "layer_keep" not in EvictionConfig(budget=8).to_dict()  # older records keep their fingerprints
+    # a saved tuning's table (string keys) reads back as the same layout
+    assert EvictionConfig(budget=8, layer_keep={"0": "low", "2": "leverage"}).for_model(tiny_model).layer_keep == \
+        {0: "low", 2: "leverage"}
+    feed(tiny_model, caches, random_tokens(40, seed=9), [30, 1, 9])
+    save_prompt_cache(str(tmp_path / "c.safetensors"), caches)
+    assert [c.keep for c in load_prompt_cache(str(tmp_path / "c.safetensors"))] == ["low", "blend", "leverage"]
+    with pytest.raises(ValueError, match=r"layer_keep\[1\] must be one of"):
+        EvictionConfig(budget=8, layer_keep={1: "median"})
+    with pytest.raises(ValueError, match="layer_keep must look like"):
+        parse_layer_keep("0-3")
+    with pytest.raises(ValueError, match="layer_keep index 5"):
+        make_eviction_cache(tiny_model, EvictionConfig(budget=8, layer_keep={5: "low"}))
+
+
 def test_the_default_bounds_every_layer_with_blend_and_coverage():
     from knorm_gen.memory import kv_memory
 

@@ -298,6 +298,7 @@ FIELD_VALUES = {
     "layer_budgets": ("1:40", {"1": 40}, "layer_budgets", {"1": 40}),
     "early_factor": ("3", 3, "layer_budgets", {"0": 48, "1": 48}),
     "coverage": ("0.25", 0.25, "coverage", 0.25),
+    "layer_keep": ("1:low", {"1": "low"}, "layer_keep", {"1": "low"}),
     "max_tokens": ("3", 3, "max_tokens", 3),
     "temperature": ("0.5", 0.5, "temperature", 0.5),
     "top_p": ("0.9", 0.9, "top_p", 0.9),
@@ -363,7 +364,7 @@ def _toml(value):
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, dict):
-        return "{ " + ", ".join(f'"{k}" = {v}' for k, v in value.items()) + " }"
+        return "{ " + ", ".join(f'"{k}" = {json.dumps(v)}' for k, v in value.items()) + " }"
     return json.dumps(value)
 
 
