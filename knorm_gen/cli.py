@@ -558,11 +558,10 @@ def stats_line(result: Any) -> str:
 @click.option("--job", "job_kind", type=click.Choice(("summarize", "retrieve", "both")), default="both",
               show_default=True, help="What the layout is chosen for.")
 @click.option("--arms", default=None, help="Candidates, comma-separated (default: the bounded rules alone and with "
-              "coverage, and random eviction). All: " + ",".join(("keydiff", "low", "blend", "low_cov25", "low_cov50",
-                                                                  "keydiff_cov25", "keydiff_cov50", "blend_cov25",
-                                                                  "blend_cov50", "blend_cov75", "leverage",
-                                                                  "leverage_cov25", "retrieval", "retrieval_cov25",
-                                                                  "paper", "random")))
+              "coverage, a per-layer mix of them, and random eviction). All: "
+              + ",".join(("keydiff", "low", "blend", "low_cov25", "low_cov50", "keydiff_cov25", "keydiff_cov50",
+                          "blend_cov25", "blend_cov50", "blend_cov75", "leverage", "leverage_cov25", "retrieval",
+                          "retrieval_cov25", "paper", "mix", "random")))
 @click.option("--docs-limit", type=click.IntRange(min=1), default=4, show_default=True,
               help="Documents measured (the first ones of DOCS, or of the shipped corpus).")
 @click.option("--doc-tokens", type=click.IntRange(min=256), default=1536, show_default=True,
@@ -570,10 +569,18 @@ def stats_line(result: Any) -> str:
 @click.option("--quick", is_flag=True, help="One document of 1024 tokens, one filler and four candidates (a few minutes).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Also write the full result as JSON here.")
 @click.option("--no-save", is_flag=True, help="Do not save the choice as this model's tuning (--preset auto).")
+@click.option("--target-fidelity", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="Budget sweep: the summary fidelity (recovered share, e.g. 0.9) a budget must keep.")
+@click.option("--target-keys", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="Budget sweep: the share of the full cache's pass keys (e.g. 0.9) a budget must find.")
+@click.option("--sweep", "sweep_ratios", default=None,
+              help="Budget sweep: compression ratios at which the chosen layout is measured again, comma-separated "
+                   "(default with a target: 8,6,4,3,2); reports the smallest budget meeting the targets.")
 @click.version_option(__version__, prog_name="knorm-tune")
 def tune_command(docs: Optional[str], model: str, context_field: str, budget: Optional[int], ratio: float,
                  job_kind: str, arms: Optional[str], docs_limit: int, doc_tokens: int, quick: bool, out: Optional[str],
-                 no_save: bool) -> None:
+                 no_save: bool, target_fidelity: Optional[float], target_keys: Optional[float],
+                 sweep_ratios: Optional[str]) -> None:
     """Measure eviction layouts on YOUR model (and your documents, DOCS: JSONL rows
     with the document in --context-field) on three tasks at equal budget, through
     the product's own prefill: summary fidelity (the full cache's own summary,
@@ -582,18 +589,25 @@ def tune_command(docs: Optional[str], model: str, context_field: str, budget: Op
     the table (the chosen layout first), saves the choice as this model's tuning
     (used by --preset auto and knorm_gen.tuned_config) and, with --out, the JSON.
 
+    With --target-fidelity / --target-keys (or --sweep) the chosen layout is then
+    measured at other compressions on the same cases, and the smallest budget that
+    meets the targets is reported (each ratio costs about a tuning of one candidate).
+
     Without DOCS it measures the long sections of CPython's pydoc_data.topics.
     Exit status: 0 done, 2 usage error (before any measurement), 130 interrupted.
     """
     import json
 
     from .models import get_model
-    from .tune import CANDIDATES, QUICK_ARMS, TUNE_ARMS, TUNE_FILLERS, Doc, save_tuning, tune
+    from .tune import CANDIDATES, MIX, QUICK_ARMS, SWEEP_RATIOS, TUNE_ARMS, TUNE_FILLERS, Doc, save_tuning, tune
+
+    sweep = _sweep_ratios(sweep_ratios) if sweep_ratios else \
+        SWEEP_RATIOS if target_fidelity is not None or target_keys is not None else ()
 
     names = QUICK_ARMS if quick and not arms else tuple(a.strip() for a in (arms or ",".join(TUNE_ARMS)).split(","))
-    unknown = [a for a in names if a not in CANDIDATES]
+    unknown = [a for a in names if a not in CANDIDATES and a != MIX]
     if unknown:
-        raise UsageFailure(f"unknown candidate(s) {', '.join(unknown)}; choose from {', '.join(CANDIDATES)}")
+        raise UsageFailure(f"unknown candidate(s) {', '.join(unknown)}; choose from {', '.join([*CANDIDATES, MIX])}")
     if "random" not in names:
         names = (*names, "random")  # the control every verdict is measured against
     if quick:
@@ -618,17 +632,52 @@ def tune_command(docs: Optional[str], model: str, context_field: str, budget: Op
                f"{sum(lengths) // len(lengths)} tokens at {ratio:.1f}x, job {job_kind}", err=True)
     try:
         record = tune(loaded, tokenizer, documents, ratio=ratio, job=job_kind, arms=names, doc_tokens=doc_tokens,
-                      fillers=TUNE_FILLERS[:1] if quick else TUNE_FILLERS, log=lambda m: None)
+                      fillers=TUNE_FILLERS[:1] if quick else TUNE_FILLERS, log=lambda m: None, sweep=sweep,
+                      targets=(target_fidelity, target_keys))
     except KeyboardInterrupt:
         click.echo("knorm-tune: interrupted", err=True)
         sys.exit(EXIT_INTERRUPTED)
     record["model"] = model
     click.echo(tune_table(record))
+    if "sweep" in record:
+        click.echo(sweep_table(record["sweep"]))
     if not no_save:
         click.echo(f"saved as this model's tuning (--preset auto): {save_tuning(loaded, record)}", err=True)
     if out:
         Path(out).write_text(json.dumps(record, indent=1))
         _tune_plot(record, Path(out).with_suffix(".png"))
+
+
+def _sweep_ratios(text: str) -> tuple[float, ...]:
+    """--sweep's ratios, or UsageFailure naming the bad one."""
+    out = []
+    for part in text.split(","):
+        try:
+            r = float(part)
+        except ValueError:
+            r = float("nan")
+        if not r >= 1.5 or r == float("inf"):
+            raise UsageFailure(f"--sweep: {part.strip()!r} is not a compression ratio of at least 1.5; give ratios "
+                               f"like 8,6,4,3,2")
+        out.append(r)
+    return tuple(sorted(set(out), reverse=True))
+
+
+def sweep_table(sweep: dict) -> str:
+    """The budget sweep: each ratio's fidelity and keys, and the smallest budget meeting the targets."""
+    targets = [f"fidelity >= {sweep['target_fidelity']:.0%}" if sweep["target_fidelity"] is not None else "",
+               f"keys >= {sweep['target_keys']:.0%} of the full cache's" if sweep["target_keys"] is not None else ""]
+    targets = [t for t in targets if t]
+    lines = [f"budget sweep of {sweep['arm']}" + (f" (targets: {', '.join(targets)})" if targets else ""),
+             f"{'ratio':>6s} {'budget':>7s} {'fidelity':>8s} {'keys':>7s}  meets"]
+    for p in sweep["points"]:
+        rec = "-" if p["recovered"] is None else f"{p['recovered']:.0%}"
+        lines.append(f"{p['ratio']:>5.1f}x {p['budget']:>7d} {rec:>8s} {p['keys_of_full']:>3d}/{p['full_keys']:<3d}  "
+                     f"{'yes' if p['meets'] else 'no'}")
+    best = sweep["smallest"]
+    lines.append(f"smallest budget meeting the targets: {best['budget']} tokens per layer ({best['ratio']:g}x)" if best
+                 else "no measured budget meets the targets: sweep lower ratios (--sweep 3,2,1.5) or lower the targets")
+    return "\n".join(lines)
 
 
 def _tune_documents(path: Optional[str], field: str, limit: int) -> list:
@@ -691,6 +740,16 @@ def tune_table(record: dict) -> str:
                      f"{ppl:>6s}  {mem}{mark}")
     lines.append("keys: found of those the full cache found (in the documents, in repeated filler); "
                  "fidelity: summary recovered; ppl: perplexity of each document's end vs the full cache")
+    mix = (record.get("mix") or {}).get("layout")
+    if mix:
+        rules: dict[str, list[str]] = {}
+        for layer, rule in sorted(mix["layer_keep"].items(), key=lambda x: int(x[0])):
+            rules.setdefault(rule, []).append(str(layer))
+        lines.append(f"mix: {mix['keep']} in every layer but " + "; ".join(f"{r} in {','.join(ls)}"
+                                                                        for r, ls in rules.items())
+                     + " (each layer's rule: the least attention error over the held queries)")
+    elif record.get("mix"):
+        lines.append("mix: one rule had the least attention error in every layer, so no mix was measured")
     lines.append(f"chosen: {record['chosen']} {record['layout']}: {record['why']}")
     return "\n".join(lines)
 

@@ -29,11 +29,11 @@ import numpy as np
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 
-from .cache import copy_caches, make_eviction_cache, pin_caches
+from .cache import EvictionKVCache, copy_caches, make_eviction_cache, pin_caches
 from .config import EvictionConfig
 from .engine import prefill
 from .memory import cache_stats
-from .mlx_compat import full_attention_layers
+from .mlx_compat import full_attention_layers, record_attention
 from .prompts import as_tokenizer, context_spans, has_chat_template, split_question_prompts
 from .scores import ALL_EVICTABLE
 
@@ -145,6 +145,13 @@ class Tuner:
         self.arms, self.ratio, self.log, self.step = arms, ratio, log, step
         self.chat = has_chat_template(self.tok)
         self.n_layers, self.full_layers = len(model.layers), full_attention_layers(model)
+        # The full cache's rows per case: they do not depend on the ratio, so a budget
+        # sweep shares them (Tuner.full_rows) instead of prefilling the full cache again.
+        self.full_rows: dict[tuple, tuple[list[int], list[dict]]] = {}
+        # With ``errors`` set ({arm: {}}), Tuner.document also records, per arm named and
+        # compressed layer, the attention error of its kept head (the per-layer mix's criterion).
+        self.errors: Optional[dict[str, dict[int, list[float]]]] = None
+        self.held_queries = 64
 
     def config(self, arm: str, budget: Optional[int]):
         fields = {} if arm == "full" else self.arms[arm]
@@ -192,6 +199,9 @@ class Tuner:
         budget = max(8, int(len(prefix) / self.ratio))
         rows = []
         for arm in ["full", *self.arms]:
+            if arm == "full" and ("passkey", name, key, depth, len(context)) in self.full_rows:
+                rows += self.full_rows["passkey", name, key, depth, len(context)][1]
+                continue
             answers = {}
             if "ctq" in self.modes:
                 self._seed(name + key)
@@ -205,6 +215,8 @@ class Tuner:
                 rows.append(dict(task="passkey", doc=name, arm=arm, mode=mode, depth=depth, key=key,
                                  tokens=len(prefix), budget=None if arm == "full" else budget, ok=key in text,
                                  answer=text))
+            if arm == "full":
+                self.full_rows["passkey", name, key, depth, len(context)] = ([], list(rows))
         return rows
 
     # ---- the three tasks from one prefill per arm (knorm-tune) -----------------------
@@ -227,10 +239,31 @@ class Tuner:
         budget = max(8, int(len(prefix) / self.ratio))
         ref: list[int] = []
         rows: list[dict] = []
+        measure = self.errors is not None
+        held: dict[int, tuple] = {}  # layer -> the full cache's (queries, keys, values, scale) for the criterion
+        kept: dict[str, dict[int, np.ndarray]] = {}
         for arm in ["full", *self.arms]:
+            if arm == "full" and ("document", doc.name, key, depth, len(doc.text)) in self.full_rows:
+                ref, full = self.full_rows["document", doc.name, key, depth, len(doc.text)]
+                rows += full
+                continue
             self._seed(doc.name + key)
             caches = prefill(model, prefix[: cut - 1], self.caches(arm, budget, spans), self.step)
-            ppl = answer_nll(model, caches, prefix[cut - 1 : cut], prefix[cut:end])
+            if measure and arm in self.errors:
+                kept[arm] = {i: np.array(c.ordered_state()[2][0]) for i, c in enumerate(caches)
+                             if isinstance(c, EvictionKVCache)}
+            if measure and arm == "full":
+                calls: list = []
+                with record_attention(model, calls):
+                    ppl = answer_nll(model, caches, prefix[cut - 1 : cut], prefix[cut:end])
+                if len(calls) == len(caches):  # one attention call per layer: the criterion can be read
+                    for i, ((q, _, scale), c) in enumerate(zip(calls, caches)):
+                        if getattr(c, "keys", None) is not None and not isinstance(c.keys, tuple):
+                            held[i] = (np.array(q[0, :, -self.held_queries:].astype(mx.float32)),
+                                       np.array(c.keys[0, :, : cut - 1].astype(mx.float32)),
+                                       np.array(c.values[0, :, : cut - 1].astype(mx.float32)), scale)
+            else:
+                ppl = answer_nll(model, caches, prefix[cut - 1 : cut], prefix[cut:end])
             if end < len(prefix):
                 prefill(model, prefix[end:], caches, self.step)
             stats = cache_stats(caches)
@@ -250,6 +283,12 @@ class Tuner:
             answer = tok.decode(_greedy(model, tok, key_q, pin_caches(caches), 16))
             rows.append(dict(task="passkey", **common, mode="ctq", depth=depth, key=key, ok=key in answer,
                              answer=answer))
+            if arm == "full":
+                self.full_rows["document", doc.name, key, depth, len(doc.text)] = (ref, list(rows))
+        for arm, layers in kept.items():
+            for i, positions in layers.items():
+                if i in held:
+                    self.errors[arm].setdefault(i, []).append(layer_error(*held[i][:3], held[i][3], positions))
         return rows
 
     # ---- perplexity ---------------------------------------------------------------
@@ -345,9 +384,62 @@ def run(tuner: Tuner, docs: Sequence[Doc], *, tasks: Sequence[str] = ("fidelity"
     return rows
 
 
+# ---- per-layer rule mixes ---------------------------------------------------------------
+
+MIX = "mix"
+"""The arm name of the per-layer mix (:func:`layer_mix`): each layer's rule chosen by
+its own attention error; measured beside the whole-model layouts, chosen only if it
+beats them."""
+MIX_RULES = ("blend_cov25", "keydiff_cov25", "low_cov25", "leverage_cov25")
+"""The layouts a mix takes each layer's rule from: the bounded rules with the same
+coverage share, so the mix differs from them in the rule alone."""
+
+
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    s = np.einsum("hqd,hkd->hqk", q, k) * scale
+    s -= s.max(-1, keepdims=True)
+    w = np.exp(s)
+    w /= w.sum(-1, keepdims=True)
+    return np.einsum("hqk,hkd->hqd", w, v)
+
+
+def layer_error(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, kept: np.ndarray) -> float:
+    """One layer's attention error on held queries when only some positions are kept:
+    ``q`` (query heads, queries, dim), ``k``/``v`` (kv heads, positions, dim) the full
+    cache's, ``kept`` (kv heads, n) the positions each kv head keeps; the mean over
+    query heads of ``||o_kept - o_all|| / ||o_all||`` (float64)."""
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    group = q.shape[0] // k.shape[0]
+    errs = []
+    for h in range(k.shape[0]):
+        qh, held = q[h * group : (h + 1) * group], kept[h][kept[h] < k.shape[1]]
+        ref = _attend(qh, np.broadcast_to(k[h], (group, *k[h].shape)), np.broadcast_to(v[h], (group, *v[h].shape)),
+                      scale)
+        out = _attend(qh, np.broadcast_to(k[h][held], (group, len(held), k.shape[2])),
+                      np.broadcast_to(v[h][held], (group, len(held), v.shape[2])), scale)
+        errs.append(float(np.linalg.norm(out - ref) / np.linalg.norm(ref)))
+    return float(np.mean(errs))
+
+
+def layer_mix(errors: dict[str, dict[int, float]], arms: dict[str, dict]) -> Optional[dict]:
+    """The mix's layout fields from :func:`layer_errors`: each layer takes the rule of
+    the arm with the least error there; ``keep`` is the rule most layers take, and
+    ``layer_keep`` names the others. None when one rule wins every layer (the mix
+    would be that layout). ``arms`` must share every field but ``keep``."""
+    base = {k: v for k, v in next(iter(arms.values())).items() if k != "keep"}
+    if any({k: v for k, v in f.items() if k != "keep"} != base for f in arms.values()):
+        raise ValueError("a per-layer mix takes only the rule from each layout: give layouts that differ in keep alone")
+    layers = sorted(set().union(*(e.keys() for e in errors.values())))
+    best = {i: arms[min(errors, key=lambda a: errors[a].get(i, float("inf")))]["keep"] for i in layers}
+    rules = sorted(set(best.values()), key=lambda r: (-list(best.values()).count(r), r))
+    if len(rules) <= 1:
+        return None
+    return {**base, "keep": rules[0], "layer_keep": {i: r for i, r in best.items() if r != rules[0]}}
+
+
 # ---- choosing a layout for one model, and remembering it ------------------------------
 
-TUNE_ARMS = ("blend_cov25", "blend_cov75", "keydiff_cov25", "low", "low_cov25", "leverage_cov25", "random")
+TUNE_ARMS = ("blend_cov25", "blend_cov75", "keydiff_cov25", "low", "low_cov25", "leverage_cov25", MIX, "random")
 """What ``knorm-tune`` measures by default (``--arms`` for more): the default layout
 (``blend_cov25``), the bounded rules alone and with a coverage share, and random
 eviction as the control. Each is here for a measured reason (docs/results.md):
@@ -355,7 +447,9 @@ on six held-out Gemma 3 documents ``blend_cov75`` kept 79.4% of what they are wo
 to a summary, the default 75.8% and random eviction 82.2%; ``leverage_cov25`` kept
 the most of two of them and the least of SmolLM2's: verdicts that flip with the
 model are what tuning is for. ``keydiff`` alone (0.2's default) did no
-better than with coverage on either model and is left to ``--arms``."""
+better than with coverage on either model and is left to ``--arms``. ``mix``: the
+per-layer mix of :data:`MIX_RULES` (:func:`layer_mix`), when one rule does not win
+every layer."""
 QUICK_ARMS = ("blend_cov25", "blend_cov75", "low_cov25", "random")
 JOBS = ("summarize", "retrieve", "both")
 KEYS_TARGET = 0.9  # at least this share of the full cache's pass keys
@@ -409,7 +503,8 @@ def choose(summary: dict[str, dict], job: str, arms: dict[str, dict]) -> tuple[s
         return (-len(short), bounded(arms[a]), -sum(x for x, _ in short), *score)
 
     best = max(names, key=order)
-    detail = (f"pass keys {keys(best):.0%} of the full cache's, fidelity {fid(best):.0%}"
+    fidelity = "not measured (no document gave a summary)" if fid(best) == float("-inf") else f"{fid(best):.0%}"
+    detail = (f"pass keys {keys(best):.0%} of the full cache's, fidelity {fidelity}"
               + (f" (random eviction {rand:.0%})" if rand is not None else ""))
     if shortfalls(best):
         return best, (f"no candidate met every target; closest: {detail}; misses "
@@ -552,34 +647,93 @@ def tuning_cases(docs: Sequence[Doc], tok: Any, *, depths: Sequence[float] = (0.
 def tune(model: Any, tokenizer: Any, docs: Sequence[Doc], *, ratio: float = 4.0, job: str = "both",
          arms: Sequence[str] = TUNE_ARMS, depths: Sequence[float] = (0.25, 0.75, 0.5),
          fillers: Sequence[str] = TUNE_FILLERS, doc_tokens: int = 1536, progress: bool = True,
-         log: Callable[[str], None] = print) -> dict:
+         log: Callable[[str], None] = print, sweep: Sequence[float] = (),
+         targets: tuple[Optional[float], Optional[float]] = (None, None)) -> dict:
     """Measure ``arms`` (names of :data:`CANDIDATES`) on ``docs`` for this model and
     choose one for ``job``: a record with the table, the chosen layout and why.
 
     Each document is one case (:meth:`Tuner.document`: fidelity, a pass key inside
     it and perplexity from one prefill per arm); each filler one more (a pass key in
     repeated text, where the needle is the only news). Every task is measured
-    whatever the job: the job only weighs them, and the table shows all three."""
-    from tqdm import tqdm
+    whatever the job: the job only weighs them, and the table shows all three.
 
+    ``sweep``: compression ratios at which the chosen layout is measured again on the
+    same cases (:func:`budget_sweep`), judged against ``targets`` (fidelity, keys)."""
     if job not in JOBS:
         raise ValueError(f"job must be one of {', '.join(JOBS)}; got {job!r}")
     tok = as_tokenizer(tokenizer)
     docs = [Doc(d.name, head_tokens(tok, d.text, doc_tokens)) for d in docs]
-    chosen_arms = {a: CANDIDATES[a] for a in arms}
+    chosen_arms = {a: CANDIDATES[a] for a in arms if a != MIX}
     tuner = Tuner(model, tok, chosen_arms, ratio=ratio, log=log, modes=("ctq",))
-    rows: list[dict] = []
+    if MIX in arms:  # the criterion comes free with the rules' own prefills: they must be measured
+        chosen_arms.update({a: CANDIDATES[a] for a in MIX_RULES})
+        tuner.errors = {a: {} for a in MIX_RULES}
     cases = tuning_cases(docs, tok, depths=depths, fillers=fillers, filler_tokens=doc_tokens)
-    for kind, doc, key, depth in tqdm(cases, desc="knorm-tune", unit="case", disable=not progress):
+    rows = _measure(tuner, cases, "knorm-tune", progress, log)
+    mix = None
+    if MIX in arms:
+        errors = {a: {i: float(np.mean(e)) for i, e in v.items()} for a, v in tuner.errors.items()}
+        fields = layer_mix(errors, {a: CANDIDATES[a] for a in MIX_RULES}) if any(errors.values()) else None
+        mix = dict(errors={a: {str(i): e for i, e in v.items()} for a, v in errors.items()}, layout=fields)
+        log(f"per-layer mix: {fields or 'one rule wins every layer (or none could be read), so no mix'}")
+        if fields is not None:
+            second = Tuner(model, tok, {MIX: fields}, ratio=ratio, log=log, modes=("ctq",))
+            second.full_rows = tuner.full_rows
+            rows += [r for r in _measure(second, cases, "knorm-tune mix", progress, log) if r["arm"] != "full"
+                     and not (r["task"] == "fidelity" and r["arm"] == "none")]
+            chosen_arms[MIX] = fields
+    table = summarize(rows, ["full", *chosen_arms])
+    name, why = choose(table, job, chosen_arms)
+    n_tokens = [len(tok.encode(d.text, add_special_tokens=False)) for d in docs]
+    mean_tokens = sum(n_tokens) / len(n_tokens)
+    record = dict(model_identity=model_identity(model), chosen=name, why=why, layout=dict(chosen_arms[name]),
+                  job=job, ratio=ratio, budget=int(mean_tokens / ratio), docs=[d.name for d in docs],
+                  fillers=list(fillers), table=table, rows=rows, bounded=bounded(chosen_arms[name]))
+    if mix is not None:
+        record["mix"] = mix
+    if sweep:
+        points = []
+        for r in sweep:
+            again = Tuner(model, tok, {name: chosen_arms[name]}, ratio=r, log=log, modes=("ctq",))
+            again.full_rows = tuner.full_rows
+            t = summarize(_measure(again, cases, f"sweep {r:g}x", progress, log), ["full", name])[name]
+            points.append(dict(ratio=r, budget=int(mean_tokens / r), recovered=t["recovered"],
+                               keys_of_full=t["keys_of_full"], full_keys=t["full_keys"]))
+        record["sweep"] = budget_sweep(name, points, *targets)
+    return record
+
+
+def _measure(tuner: Tuner, cases: list, desc: str, progress: bool, log: Callable[[str], None]) -> list[dict]:
+    """The rows of every case of :func:`tuning_cases` for the tuner's arms, with a progress bar."""
+    from tqdm import tqdm
+
+    rows: list[dict] = []
+    for kind, doc, key, depth in tqdm(cases, desc=desc, unit="case", disable=not progress):
         tic = time.perf_counter()
         new = (tuner.document(doc, key, depth) if kind == "document"
                else tuner.passkey(doc.name, with_needle(doc.text, depth, key), key, depth))
         rows += new
         log(f"{doc.name} {time.perf_counter() - tic:.0f}s: keys found by "
             + ",".join(r["arm"] for r in new if r["task"] == "passkey" and r["ok"]))
-    table = summarize(rows, ["full", *chosen_arms])
-    name, why = choose(table, job, chosen_arms)
-    n_tokens = [len(tok.encode(d.text, add_special_tokens=False)) for d in docs]
-    return dict(model_identity=model_identity(model), chosen=name, why=why, layout=dict(chosen_arms[name]),
-                job=job, ratio=ratio, budget=int(sum(n_tokens) / len(n_tokens) / ratio), docs=[d.name for d in docs],
-                fillers=list(fillers), table=table, rows=rows, bounded=bounded(chosen_arms[name]))
+    return rows
+
+
+SWEEP_RATIOS = (8.0, 6.0, 4.0, 3.0, 2.0)
+
+
+def budget_sweep(arm: str, points: Sequence[dict], target_fidelity: Optional[float] = None,
+                 target_keys: Optional[float] = None) -> dict:
+    """The sweep record: each point (``ratio``, ``budget``, ``recovered``, ``keys_of_full``,
+    ``full_keys``) marked ``meets`` when its recovered share is at least
+    ``target_fidelity`` and it finds at least ``target_keys`` of the full cache's pass
+    keys (a target left out is not judged; keys cannot be judged where the full cache
+    found none), and ``smallest``: the point with the smallest budget that meets
+    both, or None."""
+    out = []
+    for p in points:
+        fid_ok = target_fidelity is None or (p["recovered"] is not None and p["recovered"] >= target_fidelity)
+        keys_ok = target_keys is None or (p["full_keys"] > 0 and p["keys_of_full"] / p["full_keys"] >= target_keys)
+        out.append({**p, "meets": fid_ok and keys_ok})
+    meeting = [p for p in out if p["meets"]]
+    return dict(arm=arm, target_fidelity=target_fidelity, target_keys=target_keys, points=out,
+                smallest=min(meeting, key=lambda p: p["budget"]) if meeting else None)

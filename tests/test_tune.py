@@ -238,4 +238,134 @@ def test_no_documents_and_no_shipped_corpus_is_a_usage_error(tiny_model_dir, mon
 
 def test_the_arms_help_names_every_candidate():
     arms = next(p for p in tune_command.params if p.name == "arms")
-    assert set(arms.help.split("All: ")[1].split(",")) == set(CANDIDATES)
+    assert set(arms.help.split("All: ")[1].split(",")) == set(CANDIDATES) | {"mix"}
+
+
+def test_the_budget_sweep_reports_the_smallest_budget_meeting_both_targets():
+    from knorm_gen.tune import budget_sweep
+
+    points = [dict(ratio=8.0, budget=192, recovered=0.95, keys_of_full=3, full_keys=5),  # keys miss
+              dict(ratio=6.0, budget=256, recovered=0.91, keys_of_full=5, full_keys=5),  # meets both
+              dict(ratio=4.0, budget=384, recovered=0.89, keys_of_full=5, full_keys=5),  # not monotone: misses
+              dict(ratio=2.0, budget=768, recovered=0.97, keys_of_full=5, full_keys=5)]
+    sweep = budget_sweep("blend_cov25", points, 0.9, 0.9)
+    assert [p["meets"] for p in sweep["points"]] == [False, True, False, True]
+    assert sweep["smallest"]["budget"] == 256
+    assert budget_sweep("blend_cov25", points, 0.9, None)["smallest"]["budget"] == 192  # fidelity alone
+    assert budget_sweep("blend_cov25", points, 0.99, 0.9)["smallest"] is None
+    no_keys = [dict(p, keys_of_full=0, full_keys=0) for p in points]  # nothing to judge keys by: never met
+    assert budget_sweep("blend_cov25", no_keys, None, 0.5)["smallest"] is None
+
+
+@pytest.mark.parametrize("sweep", ["8,abc", "1.2", "inf"])
+def test_a_bad_sweep_is_refused_before_the_model_loads(tmp_path, sweep):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"id": 1, "text": "Ships sail. " * 300}) + "\n")
+    result = CliRunner().invoke(tune_command, [str(docs), "--model", str(tmp_path / "no-such-model"),
+                                               "--sweep", sweep])
+    assert result.exit_code == 2 and "--sweep" in result.output and "no-such-model" not in result.output, result.output
+
+
+def test_the_sweep_at_the_tuned_ratio_repeats_the_tuning_and_budgets_follow_the_ratio(tiny_model_dir, tmp_path):
+    text = "The harbor keeps a log of ships and storms. " * 40
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"id": 1, "text": text}) + "\n")
+    out = tmp_path / "tune.json"
+    result = CliRunner().invoke(tune_command, [str(docs), "--model", str(tiny_model_dir), "--quick", "--doc-tokens",
+                                               "512", "--arms", "low_cov25", "--target-keys", "0.5",
+                                               "--sweep", "4,2", "--out", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())
+    sweep = record["sweep"]
+    assert sweep["arm"] == record["chosen"] == "low_cov25" and [p["ratio"] for p in sweep["points"]] == [4.0, 2.0]
+    at_2 = sweep["points"][1]["budget"]
+    assert sweep["points"][0]["budget"] == record["budget"] and abs(at_2 - 2 * record["budget"]) <= 1
+    at_4 = sweep["points"][0]  # the same cases and seeds as the tuning itself
+    assert at_4["recovered"] == pytest.approx(record["table"]["low_cov25"]["recovered"], abs=1e-6)
+    assert at_4["keys_of_full"] == record["table"]["low_cov25"]["keys_of_full"]
+    assert "budget sweep of low_cov25" in result.output and "meets the targets" in result.output
+
+
+def test_layer_mix_takes_each_layers_least_error_and_is_none_when_one_rule_wins_all():
+    from knorm_gen.tune import MIX_RULES, layer_mix
+
+    arms = {a: CANDIDATES[a] for a in MIX_RULES}
+    errors = {"blend_cov25": {0: 0.3, 1: 0.1, 2: 0.2, 3: 0.1}, "keydiff_cov25": {0: 0.2, 1: 0.2, 2: 0.3, 3: 0.3},
+              "low_cov25": {0: 0.4, 1: 0.3, 2: 0.1, 3: 0.2}, "leverage_cov25": {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}}
+    mix = layer_mix(errors, arms)
+    assert mix == {"skip_layers": (), "coverage": 0.25, "keep": "blend", "layer_keep": {0: "keydiff", 2: "low"}}
+    assert EvictionConfig(budget=8, **mix).layer_keep == {0: "keydiff", 2: "low"}
+    errors["blend_cov25"] = {i: 0.0 for i in range(4)}
+    assert layer_mix(errors, arms) is None
+    with pytest.raises(ValueError, match="keep alone"):
+        layer_mix(errors, {"a": CANDIDATES["blend_cov25"], "b": CANDIDATES["low"]})
+
+
+def test_layer_error_matches_mlx_attention_over_the_kept_positions():
+    from knorm_gen.tune import layer_error
+
+    rng = np.random.default_rng(0)
+    q, k, v = rng.normal(size=(4, 5, 16)), rng.normal(size=(2, 30, 16)), rng.normal(size=(2, 30, 16))
+    kept = np.array([[0, 3, 7, 12, 29], [1, 2, 3, 20, 21]])
+
+    def sdpa(keys, values):  # MLX's own attention, GQA by repeating each kv head for its 2 query heads
+        out = mx.fast.scaled_dot_product_attention(mx.array(q[None], dtype=mx.float32),
+                                                   mx.array(keys[None], dtype=mx.float32),
+                                                   mx.array(values[None], dtype=mx.float32), scale=0.25)
+        return np.array(out[0]).astype(np.float64)
+
+    ref = sdpa(k, v)
+    sub = sdpa(np.stack([k[h][kept[h]] for h in range(2)]), np.stack([v[h][kept[h]] for h in range(2)]))
+    want = np.mean([np.linalg.norm(sub[i] - ref[i]) / np.linalg.norm(ref[i]) for i in range(4)])
+    by_head = np.mean([np.linalg.norm(sub[2 * h : 2 * h + 2] - ref[2 * h : 2 * h + 2])
+                       / np.linalg.norm(ref[2 * h : 2 * h + 2]) for h in range(2)])
+    assert layer_error(q, k, v, 0.25, kept) == pytest.approx(by_head, rel=1e-4)
+    assert want > 0.05 and layer_error(q, k, v, 0.25, np.tile(np.arange(30), (2, 1))) < 1e-12
+
+
+def test_the_tuners_criterion_is_zero_when_nothing_is_evicted_and_grows_as_less_is_kept(tiny_model_dir):
+    from knorm_gen.tune import Doc, Tuner
+
+    model, tok = load_model(str(tiny_model_dir))
+    doc = Doc("d", "The harbor keeps a log of ships and storms. " * 30)
+    arms = {a: CANDIDATES[a] for a in ("blend_cov25", "low_cov25")}
+    means = []
+    for ratio in (1.0, 4.0, 16.0):
+        tuner = Tuner(model, tok, arms, ratio=ratio, modes=("ctq",), log=lambda m: None)
+        tuner.errors = {a: {} for a in arms}
+        tuner.document(doc, "12345", 0.5)
+        assert all(sorted(e) == list(range(len(model.layers))) for e in tuner.errors.values())
+        means.append(np.mean([v[0] for e in tuner.errors.values() for v in e.values()]))
+    assert means[0] < 1e-6 < means[1] < means[2]
+
+
+def test_a_tuning_with_a_mix_saves_it_and_preset_auto_runs_each_layers_rule(tiny_model_dir, tmp_path, monkeypatch):
+    import knorm_gen.tune as tune_module
+    from knorm_gen.cache import make_eviction_cache
+
+    # the criterion is read (every arm of the mix's rules gets errors), then a mix is forced:
+    # low in layer 0, blend elsewhere
+    seen = {}
+
+    def forced(errors, arms):
+        seen.update(errors)
+        return {"skip_layers": (), "coverage": 0.25, "keep": "blend", "layer_keep": {0: "low"}}
+
+    monkeypatch.setattr(tune_module, "layer_mix", forced)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"id": 1, "text": "The harbor keeps a log of ships and storms. " * 40}) + "\n")
+    out = tmp_path / "tune.json"
+    result = CliRunner().invoke(tune_command, [str(docs), "--model", str(tiny_model_dir), "--quick", "--doc-tokens",
+                                               "512", "--arms", "blend_cov25,mix", "--job", "summarize", "--out",
+                                               str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())
+    n_layers = len(load_model(str(tiny_model_dir))[0].layers)
+    assert set(seen) == set(tune_module.MIX_RULES) and all(sorted(e) == list(range(n_layers)) for e in seen.values())
+    assert record["mix"]["layout"]["layer_keep"] == {"0": "low"} and "mix" in record["table"]
+    assert record["table"]["mix"]["fidelity_docs"] == record["table"]["blend_cov25"]["fidelity_docs"]
+    assert "mix: blend in every layer but low in 0" in result.output
+    model, _ = load_model(str(tiny_model_dir))
+    save_tuning(model, {**record, "chosen": "mix", "layout": record["mix"]["layout"]})
+    caches = make_eviction_cache(model, tuned_config(model, budget=16))
+    assert [c.keep for c in caches] == ["low"] + ["blend"] * (len(model.layers) - 1)
