@@ -12,7 +12,8 @@ grass, ledger; held-out: harbor, recipe). Each document is cut to its first
 (:mod:`knorm_gen.tune`); results go to results/choose_default-<model>-<split>.json,
 checkpointed after each case (``--add-to`` continues a run). An arm ``NAME@qB``
 is candidate NAME with its kept keys and values stored at B bits (``kv_bits``,
-groups of 64; ``NAME@qBgG``: groups of G).
+groups of 64; ``NAME@qBgG``: groups of G). The arm ``mix`` is the per-layer mix a
+``knorm-tune --out FILE`` run measured (``--mix-from FILE``).
 """
 
 from __future__ import annotations
@@ -32,8 +33,14 @@ RESULTS = Path(__file__).parent / "results"
 SPLIT_FILLERS = {"tune": ("grass", "ledger"), "heldout": ("harbor", "recipe")}
 
 
-def arm_fields(name: str) -> dict:
-    """The config fields of an arm: a candidate, or ``candidate@q4`` / ``@q8`` (kv_bits)."""
+def arm_fields(name: str, mix_from: str = "") -> dict:
+    """The config fields of an arm: a candidate, or ``candidate@q4`` / ``@q8`` (kv_bits),
+    or ``mix`` (the per-layer mix of the tuning in ``mix_from``)."""
+    if name == "mix":
+        layout = (json.loads(Path(mix_from).read_text()).get("mix") or {}).get("layout") if mix_from else None
+        if not layout:
+            raise SystemExit("arm mix needs --mix-from FILE: a knorm-tune --out file whose tuning measured a mix")
+        return {k: tuple(v) if k == "skip_layers" else v for k, v in layout.items()}
     base, _, quant = name.partition("@q")
     bits, _, group = quant.partition("g")
     if base not in CANDIDATES or bits not in ("", "4", "8") or group not in ("", "32", "64", "128"):
@@ -113,6 +120,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--filler-depths", default="0.3,0.7")
     ap.add_argument("--modes", default="ctq", help="pass-key modes: ctq (context, then the pinned question), "
                     "whole (one prompt, nothing pinned)")
+    ap.add_argument("--mix-from", default="", help="a knorm-tune --out file: its per-layer mix is the arm 'mix'")
     ap.add_argument("--add-to", default="", help="a results file to continue (its finished cases are kept)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
@@ -120,7 +128,7 @@ def main(argv=None) -> dict:
     all_docs = documents(tok)
     split = all_docs[0::2] if args.split == "tune" else all_docs[1::2]
     docs = [Doc(d.name, head_tokens(tok, d.text, args.doc_tokens)) for d in split[args.skip : args.skip + args.docs]]
-    arms = {a: arm_fields(a) for a in args.arms.split(",") if a}
+    arms = {a: arm_fields(a, args.mix_from) for a in args.arms.split(",") if a}
     out = Path(args.out or RESULTS / f"choose_default-{args.model}-{args.split}.json")
     done = json.loads(Path(args.add_to).read_text())["rows"] if args.add_to else []
     tuner = Tuner(model, tok, arms, ratio=args.ratio, log=lambda m: print(m, file=sys.stderr, flush=True),

@@ -356,7 +356,7 @@ def test_a_tuning_with_a_mix_saves_it_and_preset_auto_runs_each_layers_rule(tiny
     docs.write_text(json.dumps({"id": 1, "text": "The harbor keeps a log of ships and storms. " * 40}) + "\n")
     out = tmp_path / "tune.json"
     result = CliRunner().invoke(tune_command, [str(docs), "--model", str(tiny_model_dir), "--quick", "--doc-tokens",
-                                               "512", "--arms", "blend_cov25,mix", "--job", "summarize", "--out",
+                                               "512", "--arms", "blend_cov25", "--mix", "--job", "summarize", "--out",
                                                str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())
