@@ -564,7 +564,7 @@ def stats_line(result: Any) -> str:
                           "retrieval_cov25", "paper", "mix", "random")))
 @click.option("--mix", "with_mix", is_flag=True, help="Also measure a per-layer mix: each layer takes the rule "
               "(blend, keydiff, low or leverage, coverage 0.25) with the least attention error on held queries "
-              "(one more candidate, about 15% longer).")
+              "(one more candidate: one more prefill per case).")
 @click.option("--docs-limit", type=click.IntRange(min=1), default=4, show_default=True,
               help="Documents measured (the first ones of DOCS, or of the shipped corpus).")
 @click.option("--doc-tokens", type=click.IntRange(min=256), default=1536, show_default=True,
