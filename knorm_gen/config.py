@@ -46,10 +46,29 @@ def early_layers(n_layers: int, full_layers: Optional[Sequence[int]] = None) -> 
     return tuple(layers[: min(len(layers), max(2, round(EARLY_FRACTION * len(layers))))])
 
 
-def auto_recent(budget: int) -> int:
-    """The default recent window: budget // 8. Our perplexity benchmark showed
-    keep-low without one losing far more than with it (README, Results)."""
-    return budget // 8
+def auto_recent(budget: int, share: float = 0.125, n_sink: int = 0) -> int:
+    """The recent window a ``budget`` gets from ``recent_share``: ``int(share * budget)``
+    (0.125, ``budget // 8``, before 0.4), leaving at least one slot to the rule beside
+    ``n_sink`` so a small budget stays valid. Our perplexity benchmark showed keep-low
+    without a window losing far more than with one (README, Results)."""
+    return max(0, min(int(share * budget), budget - n_sink - 1))
+
+
+def check_recent_share(share: Any) -> float:
+    """``recent_share`` as a float in [0, 1), or ValueError."""
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
+        raise ValueError(f"recent_share must be a share from 0 to below 1 (e.g. 0.5), got {share!r}")
+    return float(share)
+
+
+RECENT_SHARE = 0.5
+"""The default ``recent_share``: half of each budget holds the most recent tokens.
+Chosen on the tuning split (benchmarks/choose_default.py, docs/results.md): the small
+models measured summarize mostly from the end of a document, so random eviction
+(whose survivors lean recent) kept more of one than the eighth window did."""
+OLD_RECENT_SHARE = 0.125
+"""The recent window of every layout before ``recent_share`` (``budget // 8``): the
+presets keep it, and a saved tuning or record without the field means it."""
 
 
 def _is_int(value: Any) -> bool:
@@ -250,15 +269,16 @@ def _setting(default: Any, help: str, *, parse=None, metavar: Optional[str] = No
 @dataclass(frozen=True)
 class EvictionConfig:
     """How every compressed layer evicts, as the user states it. ``budget=None``
-    means no eviction; ``recent=None`` means :func:`auto_recent` (``budget // 8``,
-    per layer). The default, ``keep="blend"`` (KeyDiff's cosine plus the paper's log
-    norm) with a quarter of each budget spread evenly over the document
+    means no eviction; ``recent=None`` means :func:`auto_recent` (``recent_share`` of
+    each layer's budget). The default, ``keep="blend"`` (KeyDiff's cosine plus the
+    paper's log norm) with half of each budget as the most recent tokens
+    (``recent_share=0.5``), a quarter spread evenly over the document
     (``coverage=0.25``) and ``skip_layers=()``, bounds every full-attention layer. It was
-    chosen on documents and fillers held out from the tuning (benchmarks/choose_default.py;
-    docs/results.md): the paper's rule alone lost the pass keys on Gemma 3, KeyDiff alone
-    on SmolLM2's unseen fillers; the blend kept them on both, and coverage keeps what a
-    summary needs. On Gemma 3 it still keeps a little less of a document than random
-    eviction. ``skip_layers`` are left uncompressed (their
+    chosen on a tuning split and checked on documents and fillers held out from it
+    (benchmarks/choose_default.py; docs/results.md): the paper's rule alone lost the pass
+    keys on Gemma 3, KeyDiff alone on SmolLM2's unseen fillers; the blend kept them on
+    both; coverage and the recent half keep what a summary needs (the models measured
+    summarize mostly from a document's end). ``skip_layers`` are left uncompressed (their
     memory grows with the input); ``None`` means :func:`early_layers`: the first 30%
     (at least two) of the full-attention layers (``--preset retrieval``).
     ``layer_budgets`` (``{layer: budget}``) overrides the budget of single layers.
@@ -273,7 +293,8 @@ class EvictionConfig:
     budget: Optional[int] = _setting(512, "Tokens kept per compressed layer; 'none' = full cache.",
                                      parse=parse_budget, metavar="INT|none")
     n_sink: int = _setting(4, "Leading tokens never evicted.")
-    recent: Optional[int] = _setting(None, "Most recent tokens never evicted.", default_text="budget // 8")
+    recent: Optional[int] = _setting(None, "Most recent tokens never evicted (overrides --recent-share).",
+                                     default_text="--recent-share x budget")
     keep: str = _setting("blend", "low = keep low key norms (the paper's L2Norm rule); keydiff = keep keys least like "
                          "the head's mean; blend = both (the default); leverage = keep keys unlike the rest by "
                          "statistical leverage; high = ablation; random/recent = baselines.",
@@ -289,6 +310,9 @@ class EvictionConfig:
     coverage: float = _setting(
         0.25, "Share of each layer's budget kept evenly spread over the positions seen (0 = none); the rest goes "
         "by the rule. Keeps what a summary needs beside what the rule keeps.", metavar="SHARE")
+    recent_share: float = _setting(
+        RECENT_SHARE, "Share of each layer's budget kept as its most recent tokens when --recent is not given.",
+        metavar="SHARE")
     early_factor: Optional[int] = _setting(
         None, "Bound every layer: nothing skipped, the first 30% of the full-attention layers hold N x --budget "
         "(8: a memory ceiling at about today's retrieval; README, Results).")
@@ -312,6 +336,7 @@ class EvictionConfig:
         if self.recent is not None and not _is_int(self.recent):
             raise ValueError(f"recent must be an integer, got {self.recent!r}")
         object.__setattr__(self, "coverage", check_coverage(self.coverage))
+        object.__setattr__(self, "recent_share", check_recent_share(self.recent_share))
         check_kv_quantization(self.kv_bits, self.kv_group_size)
         if self.budget is not None:
             validate_eviction_args(self.budget, self.n_sink, self.layer_recent(self.budget), self.keep,
@@ -346,7 +371,7 @@ class EvictionConfig:
 
     def layer_recent(self, budget: int) -> int:
         """The recent window of a layer holding ``budget`` tokens."""
-        return auto_recent(budget) if self.recent is None else self.recent
+        return auto_recent(budget, self.recent_share, self.n_sink) if self.recent is None else self.recent
 
     def for_model(self, model: Any) -> "ResolvedEviction":
         """:meth:`resolved` for ``model``, its default layers counted among its
@@ -385,7 +410,7 @@ class EvictionConfig:
                 if i not in skipped:
                     b = own.get(i, self.budget)
                     plan[i] = (b, self.layer_recent(b))
-        base_recent = self.recent if self.recent is not None else auto_recent(self.budget) if self.budget else 0
+        base_recent = self.layer_recent(self.budget) if self.budget else 0
         rules = {i % n_layers: r for i, r in (self.layer_keep or {}).items()} or None
         return ResolvedEviction(self.budget, self.n_sink, base_recent, self.keep, tuple(skip), budgets or None,
                                 n_layers, full, tuple(plan), self.coverage, self.kv_bits, self.kv_group_size, rules)
@@ -399,6 +424,8 @@ class EvictionConfig:
             d.pop("early_factor")
         if not self.coverage:
             d.pop("coverage")
+        if self.recent_share == OLD_RECENT_SHARE:  # what every config before the field had
+            d.pop("recent_share")
         if self.kv_bits is None:  # full precision: the fingerprints of records made before kv_bits
             d.pop("kv_bits")
             d.pop("kv_group_size")
@@ -415,6 +442,7 @@ class EvictionConfig:
     def __hash__(self) -> int:
         return hash((self.budget, self.n_sink, self.recent, self.keep, self.skip_layers,
                      tuple(sorted((self.layer_budgets or {}).items())), self.early_factor, self.coverage,
+                     self.recent_share,
                      self.kv_bits, self.kv_group_size, tuple(sorted((self.layer_keep or {}).items()))))
 
 
@@ -611,15 +639,15 @@ DEFAULT_QUESTION_SEPARATOR = GenerationConfig.question_separator
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "paper": dict(keep="low", skip_layers=(0, 1), early_factor=None, layer_budgets=None, coverage=0.0,
-                   layer_keep=None),
-    "retrieval": dict(keep="low", skip_layers=None, early_factor=None, layer_budgets=None, coverage=0.0,
-                   layer_keep=None),
-    "summarize": dict(keep="keydiff", skip_layers=(), early_factor=None, layer_budgets=None, coverage=0.0,
-                   layer_keep=None),
+    "paper": dict(recent_share=OLD_RECENT_SHARE, keep="low", skip_layers=(0, 1), early_factor=None,
+                  layer_budgets=None, coverage=0.0, layer_keep=None),
+    "retrieval": dict(recent_share=OLD_RECENT_SHARE, keep="low", skip_layers=None, early_factor=None,
+                      layer_budgets=None, coverage=0.0, layer_keep=None),
+    "summarize": dict(recent_share=OLD_RECENT_SHARE, keep="keydiff", skip_layers=(), early_factor=None,
+                      layer_budgets=None, coverage=0.0, layer_keep=None),
     "auto": {},  # the model's saved tuning: resolved once the model is loaded (knorm_gen.tune.auto_config)
 }
-LAYOUT_FIELDS = ("keep", "coverage", "skip_layers", "layer_budgets", "early_factor", "layer_keep")
+LAYOUT_FIELDS = ("keep", "coverage", "recent_share", "skip_layers", "layer_budgets", "early_factor", "layer_keep")
 """The fields a layout (a preset, a saved tuning) sets; the budget and the rest are the run's."""
 """Named eviction layouts (``--preset``, ``preset=``); the fields given beside a
 preset override it. ``paper``: the paper's rule and layers (keep-low, layers 0-1

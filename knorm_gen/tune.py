@@ -30,30 +30,36 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 
 from .cache import EvictionKVCache, copy_caches, make_eviction_cache, pin_caches
-from .config import EvictionConfig
+from .config import OLD_RECENT_SHARE, EvictionConfig
 from .engine import prefill
 from .memory import cache_stats
 from .mlx_compat import full_attention_layers, record_attention
 from .prompts import as_tokenizer, context_spans, has_chat_template, split_question_prompts
 from .scores import ALL_EVICTABLE
 
+_OLD = OLD_RECENT_SHARE  # the recent window every layout had before recent_share (budget // 8)
 CANDIDATES: dict[str, dict] = {
-    "keydiff": dict(keep="keydiff", skip_layers=(), coverage=0.0),
-    "low": dict(keep="low", skip_layers=(), coverage=0.0),
-    "blend": dict(keep="blend", skip_layers=(), coverage=0.0),
-    "low_cov25": dict(keep="low", skip_layers=(), coverage=0.25),
-    "low_cov50": dict(keep="low", skip_layers=(), coverage=0.5),
-    "keydiff_cov25": dict(keep="keydiff", skip_layers=(), coverage=0.25),
-    "keydiff_cov50": dict(keep="keydiff", skip_layers=(), coverage=0.5),
-    "blend_cov25": dict(keep="blend", skip_layers=(), coverage=0.25),
-    "blend_cov50": dict(keep="blend", skip_layers=(), coverage=0.5),
-    "blend_cov75": dict(keep="blend", skip_layers=(), coverage=0.75),
-    "leverage": dict(keep="leverage", skip_layers=(), coverage=0.0),
-    "leverage_cov25": dict(keep="leverage", skip_layers=(), coverage=0.25),
-    "retrieval": dict(keep="low", skip_layers=None, coverage=0.0),  # the first 30% of layers whole: unbounded
-    "retrieval_cov25": dict(keep="low", skip_layers=None, coverage=0.25),  # unbounded
-    "paper": dict(keep="low", skip_layers=(0, 1), coverage=0.0),  # unbounded
-    "random": dict(keep="random", skip_layers=(), coverage=0.0),  # the control at equal bytes
+    "keydiff": dict(keep="keydiff", skip_layers=(), coverage=0.0, recent_share=_OLD),
+    "low": dict(keep="low", skip_layers=(), coverage=0.0, recent_share=_OLD),
+    "blend": dict(keep="blend", skip_layers=(), coverage=0.0, recent_share=_OLD),
+    "low_cov25": dict(keep="low", skip_layers=(), coverage=0.25, recent_share=_OLD),
+    "low_cov50": dict(keep="low", skip_layers=(), coverage=0.5, recent_share=_OLD),
+    "keydiff_cov25": dict(keep="keydiff", skip_layers=(), coverage=0.25, recent_share=_OLD),
+    "keydiff_cov50": dict(keep="keydiff", skip_layers=(), coverage=0.5, recent_share=_OLD),
+    "blend_cov25": dict(keep="blend", skip_layers=(), coverage=0.25, recent_share=_OLD),
+    "blend_cov50": dict(keep="blend", skip_layers=(), coverage=0.5, recent_share=_OLD),
+    "blend_cov75": dict(keep="blend", skip_layers=(), coverage=0.75, recent_share=_OLD),
+    "leverage": dict(keep="leverage", skip_layers=(), coverage=0.0, recent_share=_OLD),
+    "leverage_cov25": dict(keep="leverage", skip_layers=(), coverage=0.25, recent_share=_OLD),
+    # half of each budget as the most recent tokens (recent_share=0.5), a quarter spread evenly, the rest by the rule
+    "blend_cov25_rec50": dict(keep="blend", skip_layers=(), coverage=0.25, recent_share=0.5),
+    "keydiff_cov25_rec50": dict(keep="keydiff", skip_layers=(), coverage=0.25, recent_share=0.5),
+    "low_cov25_rec50": dict(keep="low", skip_layers=(), coverage=0.25, recent_share=0.5),
+    "leverage_cov25_rec50": dict(keep="leverage", skip_layers=(), coverage=0.25, recent_share=0.5),
+    "retrieval": dict(keep="low", skip_layers=None, coverage=0.0, recent_share=_OLD),  # first 30% whole: unbounded
+    "retrieval_cov25": dict(keep="low", skip_layers=None, coverage=0.25, recent_share=_OLD),  # unbounded
+    "paper": dict(keep="low", skip_layers=(0, 1), coverage=0.0, recent_share=_OLD),  # unbounded
+    "random": dict(keep="random", skip_layers=(), coverage=0.0, recent_share=_OLD),  # the control at equal bytes
 }
 """Candidate layouts, each a set of :class:`EvictionConfig` fields (the budget is
 the task's). ``random`` is every candidate's equal-bytes control."""
@@ -390,9 +396,9 @@ MIX = "mix"
 """The arm name of the per-layer mix (:func:`layer_mix`): each layer's rule chosen by
 its own attention error; measured beside the whole-model layouts, chosen only if it
 beats them."""
-MIX_RULES = ("blend_cov25", "keydiff_cov25", "low_cov25", "leverage_cov25")
-"""The layouts a mix takes each layer's rule from: the bounded rules with the same
-coverage share, so the mix differs from them in the rule alone."""
+MIX_RULES = ("blend_cov25_rec50", "keydiff_cov25_rec50", "low_cov25_rec50", "leverage_cov25_rec50")
+"""The layouts a mix takes each layer's rule from: the bounded rules with the default's
+coverage share and recent window, so the mix differs from them in the rule alone."""
 
 
 def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
@@ -448,19 +454,22 @@ def layer_mix(errors: dict[str, dict[int, float]], arms: dict[str, dict]) -> Opt
 
 # ---- choosing a layout for one model, and remembering it ------------------------------
 
-TUNE_ARMS = ("blend_cov25", "blend_cov75", "keydiff_cov25", "low", "low_cov25", "leverage_cov25", "random")
+TUNE_ARMS = ("blend_cov25_rec50", "blend_cov75", "keydiff_cov25_rec50", "low", "low_cov25_rec50",
+             "leverage_cov25_rec50", "random")
 """What ``knorm-tune`` measures by default (``--arms`` for more): the default layout
-(``blend_cov25``), the bounded rules alone and with a coverage share, and random
-eviction as the control. Each is here for a measured reason (docs/results.md):
-on six held-out Gemma 3 documents ``blend_cov75`` kept 79.4% of what they are worth
-to a summary, the default 75.8% and random eviction 82.2%; ``leverage_cov25`` kept
-the most of two of them and the least of SmolLM2's: verdicts that flip with the
-model are what tuning is for. ``keydiff`` alone (0.2's default) did no
-better than with coverage on either model and is left to ``--arms``. The per-layer
-mix (``knorm-tune --mix``) is left out too: on SmolLM2 it kept 59% against the
-default's 58% on the tuning documents and made the tuning 18 minutes instead of
-under 15 (docs/results.md)."""
-QUICK_ARMS = ("blend_cov25", "blend_cov75", "low_cov25", "random")
+(``blend_cov25_rec50``), the other bounded rules with the default's coverage share and
+recent half, the paper's rule alone, a coverage-heavy layout and random eviction as the
+control. Each is here for a measured reason (docs/results.md): the recent half kept
+more of a document than the eighth window on both models (the small models measured
+summarize mostly from a document's end); ``blend_cov75`` kept 79.4% of six held-out
+Gemma 3 documents where the blend with the eighth window kept 75.8% and random
+eviction 82.2%; ``leverage`` kept the most of two of them and the least of SmolLM2's:
+verdicts that flip with the model are what tuning is for. The layouts of 0.3 (the
+eighth window: ``blend_cov25``, ``keydiff_cov25``, ...) and ``keydiff`` alone (0.2's
+default) are left to ``--arms``. The per-layer mix (``knorm-tune --mix``) is left out
+too: on SmolLM2 it kept 59% against the default's 58% on the tuning documents and made
+the tuning 18 minutes instead of under 15 (docs/results.md)."""
+QUICK_ARMS = ("blend_cov25_rec50", "blend_cov75", "low_cov25", "random")
 JOBS = ("summarize", "retrieve", "both")
 KEYS_TARGET = 0.9  # at least this share of the full cache's pass keys
 FIDELITY_SLACK = 0.02  # and summary fidelity no more than this below random eviction's
@@ -581,7 +590,13 @@ def tuned_config(model: Any, budget: Optional[int] = None) -> EvictionConfig:
     if saved is None:
         raise NoTuningError("no saved tuning for this model: run `knorm-tune --model <this model>` (on a few of "
                             "your own documents: `knorm-tune --model M docs.jsonl --context-field text`)")
-    return EvictionConfig(**{**saved["layout"], "budget": budget if budget is not None else saved["budget"]})
+    return EvictionConfig(**{**saved_layout(saved), "budget": budget if budget is not None else saved["budget"]})
+
+
+def saved_layout(saved: dict) -> dict:
+    """A saved tuning's layout fields; a tuning saved before ``recent_share`` existed
+    was measured with the window every layout had then (:data:`OLD_RECENT_SHARE`)."""
+    return {"recent_share": OLD_RECENT_SHARE, **saved["layout"]}
 
 
 RATIO_TOLERANCE = 1.5
@@ -626,7 +641,7 @@ def auto_config(model: Any, eviction: EvictionConfig, given: Sequence[str] = (),
         return eviction, (f"preset auto: this model's tuning was measured at {saved['ratio']:g}x and this run "
                           f"compresses about {ratio:.1f}x, so the default layout runs (keep={eviction.keep}); "
                           f"run `knorm-tune --model ... --ratio {ratio:.1f}` to tune for it")
-    fields = {k: v for k, v in saved["layout"].items() if k != "budget" and k not in given}
+    fields = {k: v for k, v in saved_layout(saved).items() if k != "budget" and k not in given}
     if "skip_layers" in fields and fields["skip_layers"] is not None:
         fields["skip_layers"] = tuple(fields["skip_layers"])
     return replace(eviction, **fields), (f"preset auto: {saved['chosen']} ({_describe(fields)}), tuned for job "

@@ -393,7 +393,7 @@ def test_layer_budgets_override_single_layers(tiny_model):
     config = EvictionConfig(budget=8, skip_layers=(0,), layer_budgets={-1: 20})
     caches = make_eviction_cache(tiny_model, config)
     assert [getattr(c, "budget", None) for c in caches] == [None, 8, 20]
-    assert caches[2].recent == 20 // 8 and caches[1].recent == 8 // 8
+    assert caches[2].recent == 20 // 2 and caches[1].recent == 8 - 4 - 1  # half, leaving the rule a slot
     feed(tiny_model, caches, random_tokens(40, seed=9), [30, 1, 9])
     assert [c.offset for c in caches] == [40, 40, 40]
     assert (caches[1].tokens_kept, caches[2].tokens_kept) == (8, 20)
@@ -453,7 +453,7 @@ def test_skip_layers_none_is_the_first_30_percent(tiny_model):
     config = EvictionConfig(budget=8, skip_layers=None, keep="low")
     assert config.skip_layers is None and config.to_dict()["skip_layers"] is None
     assert "early_factor" not in config.to_dict()  # records written before the field keep their fingerprints
-    assert config.resolved(30).skip_layers == tuple(range(9)) and config.resolved(30).recent == 1
+    assert config.resolved(30).skip_layers == tuple(range(9)) and config.resolved(30).recent == 3  # 8 - 4 sinks - 1
     model = tiny_llama(layers=10)
     caches = make_eviction_cache(model, config)
     assert [type(c) is KVCache for c in caches] == [True] * 3 + [False] * 7

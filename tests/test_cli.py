@@ -298,6 +298,7 @@ FIELD_VALUES = {
     "layer_budgets": ("1:40", {"1": 40}, "layer_budgets", {"1": 40}),
     "early_factor": ("3", 3, "layer_budgets", {"0": 48, "1": 48}),
     "coverage": ("0.25", 0.25, "coverage", 0.25),
+    "recent_share": ("0.25", 0.25, "recent", 4),  # a quarter of budget 16
     "layer_keep": ("1:low", {"1": "low"}, "layer_keep", {"1": "low"}),
     "max_tokens": ("3", 3, "max_tokens", 3),
     "temperature": ("0.5", 0.5, "temperature", 0.5),

@@ -294,3 +294,38 @@ def test_records_keep_their_memory_promise_for_every_row_shape(tmp_path, tiny_mo
             assert r["kept_bytes"] <= r["kv_ceiling_bytes"], (batch_size, r["id"])
         s = next(r for r in records if r["id"] == "s")
         assert s["tokens_pinned"] > 6  # the instructions alone are longer than the budget: still held
+
+
+def test_recent_share_sets_each_layers_window():
+    # independent arithmetic: a share of each layer's own budget, leaving the rule a slot beside the sinks
+    config = EvictionConfig(budget=64, recent_share=0.5, layer_budgets={1: 20})
+    assert config.resolved(3).layers == ((64, 32), (20, 10), (64, 32))
+    assert EvictionConfig(budget=64, recent_share=0.3).resolved(1).layers == ((64, 19),)
+    assert EvictionConfig(budget=64, recent_share=0.5, recent=3).resolved(2).layers == ((64, 3), (64, 3))
+    assert EvictionConfig(budget=6, n_sink=4, recent_share=0.9).resolved(1).layers == ((6, 1),)
+    assert EvictionConfig(budget=64, recent_share=0.0).resolved(1).layers == ((64, 0),)
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.1, float("nan"), "half", True])
+def test_recent_share_validation_names_the_field(bad):
+    with pytest.raises(ValueError, match="recent_share"):
+        EvictionConfig(recent_share=bad)
+
+
+def test_presets_and_old_records_keep_the_eighth_window():
+    from knorm_gen.config import make_configs
+
+    for preset in ("paper", "retrieval", "summarize"):
+        ev, _ = make_configs(preset=preset, budget=512)
+        assert ev.resolved(30).recent == 64, preset  # 512 // 8, as before recent_share
+        assert "recent_share" not in ev.to_dict()  # so records made before the field keep their fingerprints
+    assert EvictionConfig(recent_share=0.25).to_dict()["recent_share"] == 0.25
+
+
+def test_the_recent_share_of_each_layer_is_kept(tiny_model):
+    keys = distinct_norm_keys(48, np.random.default_rng(5))
+    caches = make_eviction_cache(tiny_model, EvictionConfig(budget=16, recent_share=0.5, coverage=0.0, keep="low"))
+    assert all(c.recent == 8 for c in caches)
+    feed_keys(caches[0], keys, [20, 1, 27])
+    for h in kept(caches[0]):
+        assert set(range(40, 48)) <= set(h) and len(h) == 16

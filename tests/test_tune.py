@@ -67,9 +67,17 @@ def test_no_tuning_names_the_command_and_a_saved_one_is_used(tiny_model_dir, tmp
         tuned_config(model)
     save_tuning(model, dict(chosen="low_cov25", layout=CANDIDATES["low_cov25"], job="both", ratio=4.0, budget=96,
                             docs=["a"], why="test", model_identity=model_identity(model)))
-    assert tuned_config(model) == EvictionConfig(budget=96, keep="low", coverage=0.25, skip_layers=())
+    assert tuned_config(model) == EvictionConfig(budget=96, keep="low", coverage=0.25, skip_layers=(),
+                                                 recent_share=0.125)
     assert tuned_config(model, budget=40).budget == 40
     assert load_tuning(model)["chosen"] == "low_cov25"
+    # a tuning saved before recent_share existed was measured with the eighth window, and keeps it
+    save_tuning(model, dict(chosen="low_cov25", layout=dict(keep="low", skip_layers=(), coverage=0.25), job="both",
+                            ratio=4.0, budget=96, docs=["a"], why="test", model_identity=model_identity(model)))
+    assert tuned_config(model).resolved(2).layers == ((96, 12), (96, 12))  # 96 // 8
+    save_tuning(model, dict(chosen="blend_cov25_rec50", layout=CANDIDATES["blend_cov25_rec50"], job="both",
+                            ratio=4.0, budget=96, docs=["a"], why="test", model_identity=model_identity(model)))
+    assert tuned_config(model).resolved(2).layers == ((96, 48), (96, 48))
 
 
 def test_preset_auto_uses_the_saved_tuning_and_says_so(tiny_model_dir, tmp_path):
@@ -127,7 +135,7 @@ def test_a_quick_tuning_on_the_tiny_model_saves_its_choice(tiny_model_dir, tmp_p
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())
     assert record["chosen"] in CANDIDATES and "<- chosen" in result.output
-    assert set(record["table"]) == {"full", "blend_cov25", "blend_cov75", "low_cov25", "random"}
+    assert set(record["table"]) == {"full", "blend_cov25_rec50", "blend_cov75", "low_cov25", "random"}
     model, _ = load_model(str(tiny_model_dir))
     assert load_tuning(model)["chosen"] == record["chosen"]
 
@@ -290,12 +298,15 @@ def test_layer_mix_takes_each_layers_least_error_and_is_none_when_one_rule_wins_
     from knorm_gen.tune import MIX_RULES, layer_mix
 
     arms = {a: CANDIDATES[a] for a in MIX_RULES}
-    errors = {"blend_cov25": {0: 0.3, 1: 0.1, 2: 0.2, 3: 0.1}, "keydiff_cov25": {0: 0.2, 1: 0.2, 2: 0.3, 3: 0.3},
-              "low_cov25": {0: 0.4, 1: 0.3, 2: 0.1, 3: 0.2}, "leverage_cov25": {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}}
+    errors = {"blend_cov25_rec50": {0: 0.3, 1: 0.1, 2: 0.2, 3: 0.1},
+              "keydiff_cov25_rec50": {0: 0.2, 1: 0.2, 2: 0.3, 3: 0.3},
+              "low_cov25_rec50": {0: 0.4, 1: 0.3, 2: 0.1, 3: 0.2},
+              "leverage_cov25_rec50": {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}}
     mix = layer_mix(errors, arms)
-    assert mix == {"skip_layers": (), "coverage": 0.25, "keep": "blend", "layer_keep": {0: "keydiff", 2: "low"}}
+    assert mix == {"skip_layers": (), "coverage": 0.25, "recent_share": 0.5, "keep": "blend",
+                   "layer_keep": {0: "keydiff", 2: "low"}}
     assert EvictionConfig(budget=8, **mix).layer_keep == {0: "keydiff", 2: "low"}
-    errors["blend_cov25"] = {i: 0.0 for i in range(4)}
+    errors["blend_cov25_rec50"] = {i: 0.0 for i in range(4)}
     assert layer_mix(errors, arms) is None
     with pytest.raises(ValueError, match="keep alone"):
         layer_mix(errors, {"a": CANDIDATES["blend_cov25"], "b": CANDIDATES["low"]})
