@@ -2,7 +2,7 @@
 
     python benchmarks/choose_default.py --model default --split tune            # every candidate
     python benchmarks/choose_default.py --model default --split heldout --arms low_cov25,keydiff,random
-    python benchmarks/choose_default.py --model default --split heldout --arms blend_cov25,blend_cov25@q8,blend_cov25@q4
+    python benchmarks/choose_default.py --model default --split heldout --arms blend_cov25_rec50,blend_cov25_rec50@q8
     python benchmarks/choose_default.py --report results/choose_default-*.json   # markdown tables
 
 The documents of ``benchmarks/documents.py`` are split by position: even ones are the
@@ -66,7 +66,7 @@ def merged(paths) -> list[dict]:
     return list(groups.values())
 
 
-def report(paths, first: str = "blend_cov25") -> str:
+def report(paths, first: str = "blend_cov25_rec50") -> str:
     """One markdown table per (model, split): recovered share, paired wins against
     random, pass keys found of the full cache's (in documents, in filler), perplexity
     ratio to the full cache; ``first`` (the default's layout) leads."""
