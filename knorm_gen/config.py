@@ -410,7 +410,7 @@ class EvictionConfig:
                 if i not in skipped:
                     b = own.get(i, self.budget)
                     plan[i] = (b, self.layer_recent(b))
-        base_recent = self.layer_recent(self.budget) if self.budget else 0
+        base_recent = self.recent if self.recent is not None else self.layer_recent(self.budget) if self.budget else 0
         rules = {i % n_layers: r for i, r in (self.layer_keep or {}).items()} or None
         return ResolvedEviction(self.budget, self.n_sink, base_recent, self.keep, tuple(skip), budgets or None,
                                 n_layers, full, tuple(plan), self.coverage, self.kv_bits, self.kv_group_size, rules)
