@@ -46,7 +46,17 @@ def early_layers(n_layers: int, full_layers: Optional[Sequence[int]] = None) -> 
     return tuple(layers[: min(len(layers), max(2, round(EARLY_FRACTION * len(layers))))])
 
 
-def auto_recent(budget: int, share: float = 0.125, n_sink: int = 0) -> int:
+RECENT_SHARE = 0.5
+"""The default ``recent_share``: half of each budget holds the most recent tokens.
+Chosen on the tuning split (benchmarks/choose_default.py, docs/results.md): the small
+models measured summarize mostly from the end of a document, so random eviction
+(whose survivors lean recent) kept more of one than the eighth window did."""
+OLD_RECENT_SHARE = 0.125
+"""The recent window of every layout before ``recent_share`` (``budget // 8``): the
+presets keep it, and a saved tuning or record without the field means it."""
+
+
+def auto_recent(budget: int, share: float = OLD_RECENT_SHARE, n_sink: int = 0) -> int:
     """The recent window a ``budget`` gets from ``recent_share``: ``int(share * budget)``
     (0.125, ``budget // 8``, before 0.4), leaving at least one slot to the rule beside
     ``n_sink`` so a small budget stays valid. Our perplexity benchmark showed keep-low
@@ -56,19 +66,7 @@ def auto_recent(budget: int, share: float = 0.125, n_sink: int = 0) -> int:
 
 def check_recent_share(share: Any) -> float:
     """``recent_share`` as a float in [0, 1), or ValueError."""
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
-        raise ValueError(f"recent_share must be a share from 0 to below 1 (e.g. 0.5), got {share!r}")
-    return float(share)
-
-
-RECENT_SHARE = 0.5
-"""The default ``recent_share``: half of each budget holds the most recent tokens.
-Chosen on the tuning split (benchmarks/choose_default.py, docs/results.md): the small
-models measured summarize mostly from the end of a document, so random eviction
-(whose survivors lean recent) kept more of one than the eighth window did."""
-OLD_RECENT_SHARE = 0.125
-"""The recent window of every layout before ``recent_share`` (``budget // 8``): the
-presets keep it, and a saved tuning or record without the field means it."""
+    return _check_share(share, "recent_share", 0.5)
 
 
 def _is_int(value: Any) -> bool:
@@ -110,9 +108,13 @@ def validate_eviction_args(budget: Any, n_sink: Any, recent: Any, keep: Any, cov
 
 def check_coverage(coverage: Any) -> float:
     """``coverage`` as a float in [0, 1), or ValueError."""
-    if isinstance(coverage, bool) or not isinstance(coverage, (int, float)) or not 0 <= coverage < 1:
-        raise ValueError(f"coverage must be a share from 0 to below 1 (e.g. 0.25), got {coverage!r}")
-    return float(coverage)
+    return _check_share(coverage, "coverage", 0.25)
+
+
+def _check_share(value: Any, name: str, example: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"{name} must be a share from 0 to below 1 (e.g. {example}), got {value!r}")
+    return float(value)
 
 
 def _layer_index(i: Any, what: str) -> int:
@@ -410,7 +412,7 @@ class EvictionConfig:
                 if i not in skipped:
                     b = own.get(i, self.budget)
                     plan[i] = (b, self.layer_recent(b))
-        base_recent = self.recent if self.recent is not None else self.layer_recent(self.budget) if self.budget else 0
+        base_recent = self.layer_recent(self.budget) if self.budget else self.recent or 0
         rules = {i % n_layers: r for i, r in (self.layer_keep or {}).items()} or None
         return ResolvedEviction(self.budget, self.n_sink, base_recent, self.keep, tuple(skip), budgets or None,
                                 n_layers, full, tuple(plan), self.coverage, self.kv_bits, self.kv_group_size, rules)
