@@ -557,14 +557,13 @@ def stats_line(result: Any) -> str:
               help="Compression: a document's tokens per kept token.")
 @click.option("--job", "job_kind", type=click.Choice(("summarize", "retrieve", "both")), default="both",
               show_default=True, help="What the layout is chosen for.")
-@click.option("--arms", default=None, help="Candidates, comma-separated (default: the default layout, the other "
-              "bounded rules with its coverage and recent half, keep-low alone, blend with coverage 0.75, and random "
-              "eviction). All: "
+@click.option("--arms", default=None, help="Candidates, comma-separated (default: the default layout, the blend "
+              "in every layer, the other bounded rules with the default's coverage and recent half, keep-low alone, "
+              "and random eviction). All: "
               + ",".join(("keydiff", "low", "blend", "low_cov25", "low_cov50", "keydiff_cov25", "keydiff_cov50",
                           "blend_cov25", "blend_cov50", "blend_cov75", "leverage", "leverage_cov25",
-                          "blend_cov25_rec50", "keydiff_cov25_rec50", "low_cov25_rec50", "leverage_cov25_rec50",
-                          "retrieval",
-                          "retrieval_cov25", "paper", "mix", "random")))
+                          "lev30_blend_cov25_rec50", "blend_cov25_rec50", "keydiff_cov25_rec50", "low_cov25_rec50",
+                          "leverage_cov25_rec50", "retrieval", "retrieval_cov25", "paper", "mix", "random")))
 @click.option("--mix", "with_mix", is_flag=True, help="Also measure a per-layer mix: each layer takes the rule "
               "(blend, keydiff, low or leverage, with the default's coverage and recent half) with the least "
               "attention error on held queries "

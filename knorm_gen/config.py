@@ -51,6 +51,12 @@ RECENT_SHARE = 0.5
 Chosen on the tuning split (benchmarks/choose_default.py, docs/results.md): the small
 models measured summarize mostly from the end of a document, so random eviction
 (whose survivors lean recent) kept more of one than the eighth window did."""
+EARLY_KEEP = "leverage"
+"""The rule of the early layers (:func:`early_layers`) under the default ``keep="blend"``
+(``early_keep="auto"``). Chosen on the tuning split (benchmarks/choose_default.py,
+docs/results.md): on Gemma 3 the blend lost the pass keys placed early in a filler
+because its first global layer (5) evicted them; leverage there kept all ten, and the
+blend in the later layers kept more of a summary than leverage everywhere."""
 OLD_RECENT_SHARE = 0.125
 """The recent window of every layout before ``recent_share`` (``budget // 8``): the
 presets keep it, and a saved tuning or record without the field means it."""
@@ -62,6 +68,13 @@ def auto_recent(budget: int, share: float = OLD_RECENT_SHARE, n_sink: int = 0) -
     ``n_sink`` so a small budget stays valid. Our perplexity benchmark showed keep-low
     without a window losing far more than with one (README, Results)."""
     return max(0, min(int(share * budget), budget - n_sink - 1))
+
+
+def check_early_keep(rule: Any) -> str:
+    """``early_keep`` as ``"auto"`` or a rule name, or ValueError."""
+    if rule not in ("auto", *KEEP_MODES):
+        raise ValueError(f"early_keep must be auto or one of {', '.join(KEEP_MODES)}; got {rule!r}")
+    return rule
 
 
 def check_recent_share(share: Any) -> float:
@@ -273,13 +286,15 @@ class EvictionConfig:
     """How every compressed layer evicts, as the user states it. ``budget=None``
     means no eviction; ``recent=None`` means :func:`auto_recent` (``recent_share`` of
     each layer's budget). The default, ``keep="blend"`` (KeyDiff's cosine plus the
-    paper's log norm) with half of each budget as the most recent tokens
+    paper's log norm) with leverage in the first 30% of the full-attention layers
+    (``early_keep="auto"``, :data:`EARLY_KEEP`), half of each budget as the most recent tokens
     (``recent_share=0.5``), a quarter spread evenly over the document
     (``coverage=0.25``) and ``skip_layers=()``, bounds every full-attention layer. It was
     chosen on a tuning split and checked on documents and fillers held out from it
     (benchmarks/choose_default.py; docs/results.md): the paper's rule alone lost the pass
     keys on Gemma 3, KeyDiff alone on SmolLM2's unseen fillers; the blend kept them on
-    both; coverage and the recent half keep what a summary needs (the models measured
+    both, except Gemma 3's keys early in a filler, which leverage in the early layers
+    kept; coverage and the recent half keep what a summary needs (the models measured
     summarize mostly from a document's end). ``skip_layers`` are left uncompressed (their
     memory grows with the input); ``None`` means :func:`early_layers`: the first 30%
     (at least two) of the full-attention layers (``--preset retrieval``).
@@ -301,6 +316,10 @@ class EvictionConfig:
                          "the head's mean; blend = both (the default); leverage = keep keys unlike the rest by "
                          "statistical leverage; high = ablation; random/recent = baselines.",
                          choices=KEEP_MODES)
+    early_keep: str = _setting(
+        "auto", "Rule of the first 30% of the full-attention layers (at least two): auto = leverage under "
+        "--keep blend (the default), else the --keep rule; or a rule name. --layer-keep overrides it per layer.",
+        choices=("auto", *KEEP_MODES))
     skip_layers: Optional[tuple[int, ...]] = _setting(
         (), "Layers left uncompressed (their memory grows with the input), e.g. '0,1' or '0-8'; 'none' "
         "compresses all.", parse=parse_skip_layers, metavar="LIST|none",
@@ -339,6 +358,7 @@ class EvictionConfig:
             raise ValueError(f"recent must be an integer, got {self.recent!r}")
         object.__setattr__(self, "coverage", check_coverage(self.coverage))
         object.__setattr__(self, "recent_share", check_recent_share(self.recent_share))
+        check_early_keep(self.early_keep)
         check_kv_quantization(self.kv_bits, self.kv_group_size)
         if self.budget is not None:
             validate_eviction_args(self.budget, self.n_sink, self.layer_recent(self.budget), self.keep,
@@ -374,6 +394,11 @@ class EvictionConfig:
     def layer_recent(self, budget: int) -> int:
         """The recent window of a layer holding ``budget`` tokens."""
         return auto_recent(budget, self.recent_share, self.n_sink) if self.recent is None else self.recent
+
+    def early_rule(self) -> Optional[str]:
+        """The rule of the early layers where it is not ``keep`` (None: ``keep`` there too)."""
+        rule = (EARLY_KEEP if self.keep == "blend" else self.keep) if self.early_keep == "auto" else self.early_keep
+        return None if rule == self.keep else rule
 
     def for_model(self, model: Any) -> "ResolvedEviction":
         """:meth:`resolved` for ``model``, its default layers counted among its
@@ -413,7 +438,10 @@ class EvictionConfig:
                     b = own.get(i, self.budget)
                     plan[i] = (b, self.layer_recent(b))
         base_recent = self.layer_recent(self.budget) if self.budget else self.recent or 0
-        rules = {i % n_layers: r for i, r in (self.layer_keep or {}).items()} or None
+        early = self.early_rule()
+        rules = {i: early for i in early_layers(n_layers, full_layers) if early and plan[i] is not None}
+        rules.update({i % n_layers: r for i, r in (self.layer_keep or {}).items()})
+        rules = rules or None
         return ResolvedEviction(self.budget, self.n_sink, base_recent, self.keep, tuple(skip), budgets or None,
                                 n_layers, full, tuple(plan), self.coverage, self.kv_bits, self.kv_group_size, rules)
 
@@ -428,6 +456,9 @@ class EvictionConfig:
             d.pop("coverage")
         if self.recent_share == OLD_RECENT_SHARE:  # what every config before the field had
             d.pop("recent_share")
+        d["early_keep"] = self.early_rule()  # what runs, so "auto" and the rule it means match
+        if d["early_keep"] is None:  # keep in every layer, as every config before the field
+            d.pop("early_keep")
         if self.kv_bits is None:  # full precision: the fingerprints of records made before kv_bits
             d.pop("kv_bits")
             d.pop("kv_group_size")
@@ -444,7 +475,7 @@ class EvictionConfig:
     def __hash__(self) -> int:
         return hash((self.budget, self.n_sink, self.recent, self.keep, self.skip_layers,
                      tuple(sorted((self.layer_budgets or {}).items())), self.early_factor, self.coverage,
-                     self.recent_share,
+                     self.recent_share, self.early_rule(),
                      self.kv_bits, self.kv_group_size, tuple(sorted((self.layer_keep or {}).items()))))
 
 
@@ -641,15 +672,16 @@ DEFAULT_QUESTION_SEPARATOR = GenerationConfig.question_separator
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "paper": dict(recent_share=OLD_RECENT_SHARE, keep="low", skip_layers=(0, 1), early_factor=None,
-                  layer_budgets=None, coverage=0.0, layer_keep=None),
-    "retrieval": dict(recent_share=OLD_RECENT_SHARE, keep="low", skip_layers=None, early_factor=None,
-                      layer_budgets=None, coverage=0.0, layer_keep=None),
-    "summarize": dict(recent_share=OLD_RECENT_SHARE, keep="keydiff", skip_layers=(), early_factor=None,
-                      layer_budgets=None, coverage=0.0, layer_keep=None),
+    "paper": dict(recent_share=OLD_RECENT_SHARE, keep="low", early_keep="auto", skip_layers=(0, 1),
+                  early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None),
+    "retrieval": dict(recent_share=OLD_RECENT_SHARE, keep="low", early_keep="auto", skip_layers=None,
+                      early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None),
+    "summarize": dict(recent_share=OLD_RECENT_SHARE, keep="keydiff", early_keep="auto", skip_layers=(),
+                      early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None),
     "auto": {},  # the model's saved tuning: resolved once the model is loaded (knorm_gen.tune.auto_config)
 }
-LAYOUT_FIELDS = ("keep", "coverage", "recent_share", "skip_layers", "layer_budgets", "early_factor", "layer_keep")
+LAYOUT_FIELDS = ("keep", "early_keep", "coverage", "recent_share", "skip_layers", "layer_budgets", "early_factor",
+                 "layer_keep")
 """The fields a layout (a preset, a saved tuning) sets; the budget and the rest are the run's."""
 """Named eviction layouts (``--preset``, ``preset=``); the fields given beside a
 preset override it. ``paper``: the paper's rule and layers (keep-low, layers 0-1

@@ -410,7 +410,7 @@ def test_layer_keep_sets_the_rule_of_single_layers(tiny_model, tmp_path):
 
     from knorm_gen.config import parse_layer_keep
 
-    config = EvictionConfig(budget=8, keep="blend", layer_keep=parse_layer_keep("0:low,-1:leverage"))
+    config = EvictionConfig(budget=8, keep="blend", early_keep="blend", layer_keep=parse_layer_keep("0:low,-1:leverage"))
     caches = make_eviction_cache(tiny_model, config)
     assert [c.keep for c in caches] == ["low", "blend", "leverage"]
     assert config.to_dict()["layer_keep"] == {"0": "low", "-1": "leverage"}
@@ -418,7 +418,7 @@ def test_layer_keep_sets_the_rule_of_single_layers(tiny_model, tmp_path):
     assert "layer_keep" not in EvictionConfig(budget=8).to_dict()  # older records keep their fingerprints
     # a saved tuning's table (string keys) reads back as the same layout
     assert EvictionConfig(budget=8, layer_keep={"0": "low", "2": "leverage"}).for_model(tiny_model).layer_keep == \
-        {0: "low", 2: "leverage"}
+        {0: "low", 1: "leverage", 2: "leverage"}  # layer 1: the default's early rule (layers 0-1 of 3)
     feed(tiny_model, caches, random_tokens(40, seed=9), [30, 1, 9])
     save_prompt_cache(str(tmp_path / "c.safetensors"), caches)
     assert [c.keep for c in load_prompt_cache(str(tmp_path / "c.safetensors"))] == ["low", "blend", "leverage"]
@@ -430,14 +430,21 @@ def test_layer_keep_sets_the_rule_of_single_layers(tiny_model, tmp_path):
         make_eviction_cache(tiny_model, EvictionConfig(budget=8, layer_keep={5: "low"}))
 
 
-def test_the_default_bounds_every_layer_with_blend_and_coverage():
+def test_the_default_bounds_every_layer_with_blend_and_coverage_and_leverage_in_the_first_30_percent():
     from knorm_gen.memory import kv_memory
 
     config = EvictionConfig(budget=8)
-    assert (config.keep, config.coverage, config.skip_layers) == ("blend", 0.25, ())
+    assert (config.keep, config.early_keep, config.coverage, config.skip_layers) == ("blend", "auto", 0.25, ())
     model = tiny_llama(layers=10)
     caches = make_eviction_cache(model, config)
-    assert all(isinstance(c, L2NormKVCache) and (c.keep, c.coverage) == ("blend", 0.25) for c in caches)
+    assert all(isinstance(c, L2NormKVCache) and c.coverage == 0.25 for c in caches)
+    # 30% of 10 layers, counted by hand: layers 0-2 take leverage, the other seven the blend
+    assert [c.keep for c in caches] == ["leverage"] * 3 + ["blend"] * 7
+    # another rule given: that rule everywhere ("auto" pairs leverage with the blend alone)
+    assert [c.keep for c in make_eviction_cache(model, EvictionConfig(budget=8, keep="low"))] == ["low"] * 10
+    assert [c.keep for c in make_eviction_cache(model, EvictionConfig(budget=8, early_keep="blend"))] == ["blend"] * 10
+    assert [c.keep for c in make_eviction_cache(model, EvictionConfig(budget=8, keep="random", early_keep="low"))] \
+        == ["low"] * 3 + ["random"] * 7
     # a ceiling: 10 layers of 8 positions (an independent count from the shapes)
     attn = model.layers[0].self_attn
     per_slot = attn.n_kv_heads * attn.head_dim * 4 * 2  # keys + values, float32

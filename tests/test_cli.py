@@ -299,7 +299,8 @@ FIELD_VALUES = {
     "early_factor": ("3", 3, "layer_budgets", {"0": 48, "1": 48}),
     "coverage": ("0.25", 0.25, "coverage", 0.25),
     "recent_share": ("0.25", 0.25, "recent", 4),  # a quarter of budget 16
-    "layer_keep": ("1:low", {"1": "low"}, "layer_keep", {"1": "low"}),
+    "early_keep": ("low", "low", "layer_keep", {"0": "low", "1": "low"}),  # the first 2 of the tiny model's layers
+    "layer_keep": ("1:low", {"1": "low"}, "layer_keep", {"0": "leverage", "1": "low"}),  # 0: the default's early rule
     "max_tokens": ("3", 3, "max_tokens", 3),
     "temperature": ("0.5", 0.5, "temperature", 0.5),
     "top_p": ("0.9", 0.9, "top_p", 0.9),

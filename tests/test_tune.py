@@ -78,6 +78,15 @@ def test_no_tuning_names_the_command_and_a_saved_one_is_used(tiny_model_dir, tmp
     save_tuning(model, dict(chosen="blend_cov25_rec50", layout=CANDIDATES["blend_cov25_rec50"], job="both",
                             ratio=4.0, budget=96, docs=["a"], why="test", model_identity=model_identity(model)))
     assert tuned_config(model).resolved(2).layers == ((96, 48), (96, 48))
+    # one saved before early_keep existed was measured with its rule in every layer, and keeps it
+    save_tuning(model, dict(chosen="blend_cov25_rec50", layout=dict(keep="blend", skip_layers=(), coverage=0.25,
+                                                                    recent_share=0.5), job="both", ratio=4.0,
+                            budget=96, docs=["a"], why="test", model_identity=model_identity(model)))
+    assert tuned_config(model).resolved(10).layer_keep is None
+    save_tuning(model, dict(chosen="lev30_blend_cov25_rec50", layout=CANDIDATES["lev30_blend_cov25_rec50"],
+                            job="both", ratio=4.0, budget=96, docs=["a"], why="test",
+                            model_identity=model_identity(model)))
+    assert tuned_config(model).resolved(10).layer_keep == {0: "leverage", 1: "leverage", 2: "leverage"}
 
 
 def test_preset_auto_uses_the_saved_tuning_and_says_so(tiny_model_dir, tmp_path):
@@ -135,7 +144,7 @@ def test_a_quick_tuning_on_the_tiny_model_saves_its_choice(tiny_model_dir, tmp_p
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())
     assert record["chosen"] in CANDIDATES and "<- chosen" in result.output
-    assert set(record["table"]) == {"full", "blend_cov25_rec50", "blend_cov75", "low_cov25", "random"}
+    assert set(record["table"]) == {"full", "lev30_blend_cov25_rec50", "blend_cov25_rec50", "low_cov25", "random"}
     model, _ = load_model(str(tiny_model_dir))
     assert load_tuning(model)["chosen"] == record["chosen"]
 
@@ -303,9 +312,12 @@ def test_layer_mix_takes_each_layers_least_error_and_is_none_when_one_rule_wins_
               "low_cov25_rec50": {0: 0.4, 1: 0.3, 2: 0.1, 3: 0.2},
               "leverage_cov25_rec50": {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}}
     mix = layer_mix(errors, arms)
-    assert mix == {"skip_layers": (), "coverage": 0.25, "recent_share": 0.5, "keep": "blend",
+    assert mix == {"skip_layers": (), "coverage": 0.25, "recent_share": 0.5, "keep": "blend", "early_keep": "blend",
                    "layer_keep": {0: "keydiff", 2: "low"}}
     assert EvictionConfig(budget=8, **mix).layer_keep == {0: "keydiff", 2: "low"}
+    # the layers the mix gives the blend run the blend, the early ones too (no leverage by default)
+    assert [EvictionConfig(budget=8, **mix).resolved(4).keep_of(i) for i in range(4)] == [
+        "keydiff", "blend", "low", "blend"]
     errors["blend_cov25_rec50"] = {i: 0.0 for i in range(4)}
     assert layer_mix(errors, arms) is None
     with pytest.raises(ValueError, match="keep alone"):
