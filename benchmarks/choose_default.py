@@ -2,7 +2,7 @@
 
     python benchmarks/choose_default.py --model default --split tune            # every candidate
     python benchmarks/choose_default.py --model default --split heldout --arms low_cov25,keydiff,random
-    python benchmarks/choose_default.py --model default --split heldout --arms blend_cov25_rec50,blend_cov25_rec50@q8
+    python benchmarks/choose_default.py --model default --split heldout --arms lev30_blend_cov25_rec50,lev30_blend_cov25_rec50@q8
     python benchmarks/choose_default.py --report results/choose_default-*.json   # markdown tables
 
 The documents of ``benchmarks/documents.py`` are split by position: even ones are the

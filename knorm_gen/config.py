@@ -313,8 +313,9 @@ class EvictionConfig:
     recent: Optional[int] = _setting(None, "Most recent tokens never evicted (overrides --recent-share).",
                                      default_text="--recent-share x budget")
     keep: str = _setting("blend", "low = keep low key norms (the paper's L2Norm rule); keydiff = keep keys least like "
-                         "the head's mean; blend = both (the default); leverage = keep keys unlike the rest by "
-                         "statistical leverage; high = ablation; random/recent = baselines.",
+                         "the head's mean; blend = both (the default, with leverage in the early layers: "
+                         "--early-keep); leverage = keep keys unlike the rest by statistical leverage; high = "
+                         "ablation; random/recent = baselines.",
                          choices=KEEP_MODES)
     early_keep: str = _setting(
         "auto", "Rule of the first 30% of the full-attention layers (at least two): auto = leverage under "
