@@ -70,10 +70,11 @@ def auto_recent(budget: int, share: float = OLD_RECENT_SHARE, n_sink: int = 0) -
     return max(0, min(int(share * budget), budget - n_sink - 1))
 
 
-def check_early_keep(rule: Any) -> str:
-    """``early_keep`` as ``"auto"`` or a rule name, or ValueError."""
-    if rule not in ("auto", *KEEP_MODES):
-        raise ValueError(f"early_keep must be auto or one of {', '.join(KEEP_MODES)}; got {rule!r}")
+def check_rule(rule: Any, field: str = "keep", auto: bool = False) -> str:
+    """``rule`` as a rule name of :data:`KEEP_MODES` (or ``"auto"`` where ``auto``), or
+    ValueError naming ``field``."""
+    if rule not in (("auto",) if auto else ()) + KEEP_MODES:
+        raise ValueError(f"{field} must be {'auto or ' if auto else ''}one of {', '.join(KEEP_MODES)}; got {rule!r}")
     return rule
 
 
@@ -115,8 +116,7 @@ def validate_eviction_args(budget: Any, n_sink: Any, recent: Any, keep: Any, cov
         raise ValueError(
             f"n_sink + recent must be < budget (got n_sink={n_sink}, recent={recent}, budget={budget}): nothing "
             f"would be left for the rule to choose; raise --budget or lower --recent / --n-sink")
-    if keep not in KEEP_MODES:
-        raise ValueError(f"keep must be one of {', '.join(KEEP_MODES)}; got {keep!r}")
+    check_rule(keep)
 
 
 def check_coverage(coverage: Any) -> float:
@@ -359,13 +359,13 @@ class EvictionConfig:
             raise ValueError(f"recent must be an integer, got {self.recent!r}")
         object.__setattr__(self, "coverage", check_coverage(self.coverage))
         object.__setattr__(self, "recent_share", check_recent_share(self.recent_share))
-        check_early_keep(self.early_keep)
+        check_rule(self.early_keep, "early_keep", auto=True)
         check_kv_quantization(self.kv_bits, self.kv_group_size)
         if self.budget is not None:
             validate_eviction_args(self.budget, self.n_sink, self.layer_recent(self.budget), self.keep,
                                    self.coverage)
-        elif self.keep not in KEEP_MODES:
-            raise ValueError(f"keep must be one of {', '.join(KEEP_MODES)}; got {self.keep!r}")
+        else:
+            check_rule(self.keep)
         if self.layer_budgets is not None:
             if not isinstance(self.layer_budgets, Mapping):
                 raise ValueError(f"layer_budgets must map layer index to budget, got {self.layer_budgets!r}")
@@ -382,8 +382,7 @@ class EvictionConfig:
                 raise ValueError(f"layer_keep must map layer index to rule, got {self.layer_keep!r}")
             rules = parse_layer_keep(self.layer_keep)
             for layer, rule in rules.items():
-                if rule not in KEEP_MODES:
-                    raise ValueError(f"layer_keep[{layer}] must be one of {', '.join(KEEP_MODES)}; got {rule!r}")
+                check_rule(rule, f"layer_keep[{layer}]")
             object.__setattr__(self, "layer_keep", rules or None)
         if self.early_factor is not None:
             if not _is_int(self.early_factor) or self.early_factor < 1:
