@@ -60,6 +60,7 @@ from documents import documents  # benchmarks/documents.py
 
 RESULTS = Path(__file__).parent / "results"
 DEFAULT = "lev30_blend_cov25_rec50"
+ARMS = ("full", "default", "pinned_needle", "question")
 
 
 def question_score(pool: int, local: int, ahead: int = 0):
@@ -159,6 +160,10 @@ def main(argv=None) -> list:
     ap.add_argument("--draft", type=int, default=8)
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
+    arms = args.arms.split(",")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {', '.join(unknown)}: choose from {', '.join(ARMS)}")
     patch(args.pool, args.local, args.ahead)
     model, tok = load_model(None if args.model == "default" else args.model)
     chat = has_chat_template(tok)
@@ -178,22 +183,20 @@ def main(argv=None) -> list:
             (start, end), = spans
             budget = max(8, len(prefix) // 4)
             lo, hi = needle_span(tok, prefix, start, end, key)
-            queries = probe_queries(model, prefix, start, end, q_ids, args.draft) if "question" in args.arms else None
+            queries = probe_queries(model, prefix, start, end, q_ids, args.draft) if "question" in arms else None
             line = []
-            for arm in args.arms.split(","):
+            for arm in arms:
                 tic = time.perf_counter()
                 if arm == "full":
                     caches = make_eviction_cache(model, EvictionConfig(budget=None), spans)
                 elif arm in ("default", "pinned_needle"):
                     caches = make_eviction_cache(model, EvictionConfig(budget=budget, **CANDIDATES[DEFAULT]),
                                                  ((start, lo), (hi, end)) if arm == "pinned_needle" else spans)
-                elif arm == "question":
+                else:  # question
                     caches = make_eviction_cache(model, EvictionConfig(budget=budget, **CANDIDATES["low"]), spans)
                     for c, q in zip(caches, queries):
                         if isinstance(c, EvictionKVCache) and c.budget is not None and c.budget < kc.UNBOUNDED:
                             c.keep, c.key_sum = "question", q
-                else:
-                    raise SystemExit(f"unknown arm {arm!r}: full, default, pinned_needle or question")
                 mx.random.seed(0)
                 caches = prefill(model, prefix, caches, 512)
                 answer = tok.decode(_greedy(model, tok, q_ids, pin_caches(caches), 16))
@@ -201,11 +204,13 @@ def main(argv=None) -> list:
                                  ok=key in answer, answer=answer, seconds=round(time.perf_counter() - tic, 2)))
                 line.append(f"{arm}={int(key in answer)}")
             print(d.name, depth, len(prefix), " ".join(line), flush=True)
-            out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+            tmp = out.with_suffix(".tmp")  # a checkpoint per case: a kill never leaves half a file
+            tmp.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+            tmp.replace(out)
     found = {(r["doc"], r["depth"]) for r in rows if r["arm"] == "full" and r["ok"]}
-    for arm in args.arms.split(","):
+    for arm in arms:
         ok = {(r["doc"], r["depth"]) for r in rows if r["arm"] == arm and r["ok"]}
-        print(f"{arm:14s} {len(ok)}/{len(rows) // len(args.arms.split(','))} found, {len(ok & found)}/{len(found)} "
+        print(f"{arm:14s} {len(ok)}/{len(rows) // len(arms)} found, {len(ok & found)}/{len(found)} "
               f"of the full cache's")
     return rows
 
