@@ -35,7 +35,7 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from knorm_gen import EvictionConfig, L2NormKVCache, cache_stats, make_eviction_cache, runtime_info
 from knorm_gen.config import early_layers
 from knorm_gen.mlx_compat import full_attention_layers
-from knorm_gen.scores import SCORES
+from knorm_gen.scores import PROBED, SCORES
 
 ARMS = ("full", "rotating", "l2norm", "keydiff", "blend", "skip30", "paper", "l2norm_default")
 
@@ -128,11 +128,17 @@ def rule_cost(model, budget: int, step: int, repeats: int = 5) -> dict:
     blocks = [mx.random.normal((1, heads, step, dim), key=mx.random.key(i)) for i in range(4)]
     tokens = [mx.random.normal((1, heads, 1, dim), key=mx.random.key(100 + i)) for i in range(64)]
     mx.eval(blocks, tokens)
+    group = attn.n_heads // heads
+    # keep="question"'s probe: 40 probe tokens (instructions, question, draft) per query head, sentence pieces of 12
+    q = mx.random.normal((1, heads, group * 40, dim), key=mx.random.key(999))
+    probe = (q * mx.rsqrt(mx.sum(q * q, axis=-1, keepdims=True)), mx.arange(4 * step)[None] // 12)
     out = {}
     for keep in SCORES:
         best_block = best_step = float("inf")
         for _ in range(repeats):
             c = L2NormKVCache(budget, keep=keep)
+            if keep in PROBED:
+                c.probe = probe
             c.update_and_fetch(blocks[0], blocks[0])
             mx.eval(c.state)
             tic = time.perf_counter()

@@ -37,7 +37,7 @@ from .config import EvictionConfig, ResolvedEviction, validate_eviction_args
 from . import quant
 from .mlx_compat import _BaseCache, create_attention_mask, is_full_attention, make_prompt_cache, register_cache_class
 from .quant import Stored
-from .scores import (ALL_EVICTABLE, PAD, PROTECTED, RUNNING, Spans, block_ranks, capacity, check_spans,
+from .scores import (ALL_EVICTABLE, PAD, PROBED, PROTECTED, RUNNING, Spans, block_ranks, capacity, check_spans,
                      cover_slots, evict_key, open_ended, pin_from, pinned_count, rank_positions, rescore,
                      running_reference, running_update, running_zeros, span_array)
 
@@ -91,6 +91,9 @@ class EvictionKVCache(_BaseCache):
         # The running state of the rules in scores.RUNNING over every token seen, float32:
         # keydiff/blend the sum of the unit keys (B, H, D), leverage its scatter, inverse and mean.
         self.key_sum: Optional[mx.array] = None
+        # keep="question" (scores.PROBED): the probe of the job's instructions, (queries, pieces)
+        # (set_probe), fixed; dropped when the cache is pinned, as no later token is evictable.
+        self.probe: Optional[tuple[mx.array, mx.array]] = None
 
     # ---- mlx_lm protocol -------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -100,7 +103,9 @@ class EvictionKVCache(_BaseCache):
         n = keys.shape[2]
         anchor = None
         spans = self._span_array()
-        if self.keep in RUNNING:
+        if self.keep in PROBED:
+            anchor = self.probe
+        elif self.keep in RUNNING:
             self.key_sum = running_update(self.keep, self.key_sum, keys, self.offset)
             anchor = running_reference(self.keep, self.key_sum, self.offset + n)
             if n > 1 and self.keys is not None and self.count:  # one anchor for every score a block compares
@@ -141,6 +146,7 @@ class EvictionKVCache(_BaseCache):
          self.count, self.offset, self.budget, self.n_sink, self.recent, self.keep, pinned) = v[:11]
         self.keys, self.values = quant.as_stored(self.keys), quant.as_stored(self.values)
         self.key_sum = v[11] if len(v) > 11 else None
+        self.probe = None  # not saved: a loaded question cache takes a new one (set_probe) or stays pinned
         self._set_quantization(int(v[14]) or None if len(v) > 14 else None,
                                int(v[15]) if len(v) > 15 else EvictionConfig.kv_group_size)
         if len(v) > 12:
@@ -177,6 +183,8 @@ class EvictionKVCache(_BaseCache):
         if self.keys is None:
             return 0
         state = 0 if self.key_sum is None else self.key_sum.nbytes
+        if self.probe is not None:
+            state += self.probe[0].nbytes + self.probe[1].nbytes
         return quant.nbytes(self.keys) + quant.nbytes(self.values) + self.rank.nbytes + state
 
     def is_trimmable(self) -> bool:
@@ -256,6 +264,7 @@ class EvictionKVCache(_BaseCache):
     def pin(self) -> None:
         """Pin every later token (a question over a compressed context, and its answer)."""
         self.spans = pin_from(self.spans, self.offset)
+        self.probe = None  # nothing later is evictable: the probe has done its work
 
     @property
     def pinned(self) -> bool:
@@ -273,6 +282,7 @@ class EvictionKVCache(_BaseCache):
         """An independent copy (MLX writes into a shared array object would leak across copies)."""
         new = EvictionKVCache.__new__(EvictionKVCache)
         new.state = tuple(quant.copy(x) if isinstance(x, (mx.array, tuple)) else x for x in self.state)
+        new.probe = self.probe  # read only, never written into: shared
         return new
 
     def ordered_state(self) -> tuple[Stored, Stored, mx.array]:
@@ -604,6 +614,8 @@ class BatchEvictionKVCache(_BaseCache):
         if self.keys is None:
             return 0
         state = 0 if self.key_sum is None else self.key_sum.nbytes
+        if self.probe is not None:
+            state += self.probe[0].nbytes + self.probe[1].nbytes
         return quant.nbytes(self.keys) + quant.nbytes(self.values) + self.rank.nbytes + state
 
     def is_trimmable(self) -> bool:
@@ -796,6 +808,23 @@ def make_eviction_cache(model: nn.Module, config: Union[EvictionConfig, Resolved
         return c
 
     return [layer(i, c, plan) for i, (c, plan) in enumerate(zip(caches, config.layers))]
+
+
+def set_probe(caches: Sequence[Any], probe: Sequence[tuple[mx.array, mx.array]]) -> list:
+    """Hand each eviction layer whose rule is in :data:`~knorm_gen.scores.PROBED`
+    (``keep="question"``) its layer's probe (:func:`knorm_gen.question.make_probe`);
+    returns the list."""
+    if len(probe) != len(caches):
+        raise ValueError(f"a probe of {len(probe)} layers for {len(caches)} caches")
+    for c, p in zip(caches, probe):
+        if isinstance(c, EvictionKVCache) and c.keep in PROBED:
+            c.probe = p
+    return list(caches)
+
+
+def probed(caches: Sequence[Any]) -> bool:
+    """Whether any layer of ``caches`` scores against a probe (``keep="question"``)."""
+    return any(isinstance(c, EvictionKVCache) and c.keep in PROBED for c in caches)
 
 
 def copy_caches(caches: Sequence[Any]) -> list:

@@ -314,7 +314,8 @@ class EvictionConfig:
                                      default_text="--recent-share x budget")
     keep: str = _setting("blend", "low = keep low key norms (the paper's L2Norm rule); keydiff = keep keys least like "
                          "the head's mean; blend = both (the default, with leverage in the early layers: "
-                         "--early-keep); leverage = keep keys unlike the rest by statistical leverage; high = "
+                         "--early-keep); leverage = keep keys unlike the rest by statistical leverage; question = keep the keys the "
+                         "instructions after the document would attend to (probed first; --preset question); high = "
                          "ablation; random/recent = baselines.",
                          choices=KEEP_MODES)
     early_keep: str = _setting(
@@ -678,6 +679,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                       early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None),
     "summarize": dict(recent_share=OLD_RECENT_SHARE, keep="keydiff", early_keep="auto", skip_layers=(),
                       early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None),
+    "question": dict(recent_share=OLD_RECENT_SHARE, keep="question", early_keep="auto", skip_layers=(),
+                     early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None),
     "auto": {},  # the model's saved tuning: resolved once the model is loaded (knorm_gen.tune.auto_config)
 }
 LAYOUT_FIELDS = ("keep", "early_keep", "coverage", "recent_share", "skip_layers", "layer_budgets", "early_factor",
@@ -689,6 +692,10 @@ uncompressed, so their memory grows with the input). ``retrieval``: keep-low wit
 the first 30% of the full-attention layers uncompressed (the default before 0.2:
 the best at pass keys on the embedded model, memory grows with the input).
 ``summarize``: KeyDiff in every layer, every layer bounded (the default of 0.2).
+``question``: the ``question`` rule in every layer (the keys the job's instructions
+would attend to, probed before the document is read: :mod:`knorm_gen.question`),
+the recent eighth, no coverage, every layer bounded; it needs text after the
+document (instructions, a question).
 ``auto``: the layout ``knorm-tune`` saved for the model (the default without one)."""
 
 

@@ -28,10 +28,11 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .admission import KVLimit, KVMemoryExceeded
-from .cache import copy_caches, make_eviction_cache, pin_caches
+from .cache import copy_caches, make_eviction_cache, pin_caches, probed, set_probe
 from .config import DEFAULT_PREFILL_STEP, GenerationConfig, ResolvedEviction, settings_dict
 from .mlx_compat import generator_step, own_layer_masks
 from .prompts import as_tokenizer
+from .question import make_probe
 from .scores import ALL_EVICTABLE, Spans
 from .results import GenerationResult
 
@@ -119,21 +120,43 @@ class BatchEngine:
             caches: Optional[list] = None, spans: Spans = ALL_EVICTABLE, prompt_tokens: Optional[int] = None,
             question: Optional[str] = None, context_prefill_s: Optional[float] = None) -> None:
         """Queue a sequence: ``ids`` to feed (after ``caches``' history, if given;
-        else through fresh caches that may evict only the positions in ``spans``)."""
+        else through fresh caches that may evict only the positions in ``spans``).
+        A layout that scores against a probe (``keep="question"``) prefills the
+        sequence alone here, after probing its instructions; the batch decodes it."""
+        alone_s = 0.0
+        if prompt_tokens is None:
+            prompt_tokens = len(ids)
+        if caches is None:
+            tic = time.perf_counter()
+            caches = self.probed_caches(ids, spans)
+            if probed(caches) and len(ids) > 1:
+                prefill(self.model, ids[:-1], caches, self.prefill_step_size)
+                caches, ids, alone_s = pin_caches(caches), ids[-1:], time.perf_counter() - tic
         (uid,) = self._gen.insert(
             [list(ids)], max_tokens=[generation.max_tokens],
-            caches=[caches if caches is not None else make_eviction_cache(self.model, self.eviction, spans)],
+            caches=[caches],
             samplers=[make_row_sampler(generation)], logits_processors=[make_row_processors(generation)],
         )
-        self._rows[uid] = _Sequence(key, settings_dict(self.eviction, generation),
-                                    prompt_tokens if prompt_tokens is not None else len(ids), question,
-                                    context_prefill_s, prefill_s=context_prefill_s or 0.0,
+        self._rows[uid] = _Sequence(key, settings_dict(self.eviction, generation), prompt_tokens, question,
+                                    context_prefill_s, prefill_s=(context_prefill_s or 0.0) + alone_s,
                                     max_tokens=generation.max_tokens)
 
-    def prefill_context(self, ids: Sequence[int], spans: Spans = ALL_EVICTABLE) -> tuple[list, float]:
-        """A context compressed once through a fresh cache list, in blocks: ``(caches, seconds)``."""
+    def probed_caches(self, ids: Sequence[int], spans: Spans = ALL_EVICTABLE,
+                      questions: Sequence[Sequence[int]] = ()) -> list:
+        """Fresh caches for a prompt ``ids``; a layer whose rule scores against a probe
+        (``keep="question"``) gets one of the text after the document and ``questions``."""
         caches = make_eviction_cache(self.model, self.eviction, spans)
+        if probed(caches):
+            set_probe(caches, make_probe(self.model, self.tok, ids, spans, questions))
+        return caches
+
+    def prefill_context(self, ids: Sequence[int], spans: Spans = ALL_EVICTABLE,
+                        questions: Sequence[Sequence[int]] = ()) -> tuple[list, float]:
+        """A context compressed once through a fresh cache list, in blocks: ``(caches,
+        seconds)``; ``questions`` (token ids asked after it) join the probe of a
+        question-aware rule (the seconds include the probe)."""
         tic = time.perf_counter()
+        caches = self.probed_caches(ids, spans, questions)
         prefill(self.model, ids, caches, self.prefill_step_size)
         return caches, time.perf_counter() - tic
 
@@ -143,7 +166,7 @@ class BatchEngine:
         """Prefill a context once (``spans``: the document's positions in it), then
         queue one sequence per question (key ``(key, i)``) with its own pinned copy:
         question and answer tokens are never evicted."""
-        caches, context_s = self.prefill_context(context_ids, spans)
+        caches, context_s = self.prefill_context(context_ids, spans, question_ids)
         for i, (q, ids) in enumerate(zip(questions, question_ids)):
             self.add((key, i), ids, generation, caches=pin_caches(copy_caches(caches)),
                      prompt_tokens=len(context_ids) + len(ids), question=q, context_prefill_s=context_s)

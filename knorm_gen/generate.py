@@ -11,10 +11,11 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
 
-from .cache import make_eviction_cache
+from .cache import make_eviction_cache, probed, set_probe
 from .config import LAYOUT_FIELDS, EvictionConfig, GenerationConfig, ResolvedEviction, make_configs, settings_dict
 from .engine import DEFAULT_BATCH_SIZE, Request, make_row_processors, make_row_sampler, run_jobs
 from .prompts import Prompt, as_tokenizer, has_chat_template, check_length, context_spans, encode_with_spans, question_prompts
+from .question import make_probe
 from .results import GenerationResult
 
 __all__ = [
@@ -54,8 +55,9 @@ def _chat(tokenizer: Any, generation: GenerationConfig) -> bool:
 
 
 def _stream_ids(model, tok, ids, caches, *, generation: GenerationConfig, config: dict,
-                prompt_tokens: int) -> Iterator[Union[str, GenerationResult]]:
-    """Drive mlx_lm's stream_generate over ``caches``; yield text, then the result."""
+                prompt_tokens: int, probe_s: float = 0.0) -> Iterator[Union[str, GenerationResult]]:
+    """Drive mlx_lm's stream_generate over ``caches``; yield text, then the result
+    (``probe_s``: seconds spent before, counted as prefill)."""
     last = None
     pieces = []
     tokens = []
@@ -80,7 +82,7 @@ def _stream_ids(model, tok, ids, caches, *, generation: GenerationConfig, config
         finish_reason=last.finish_reason,
         prompt_tokens=prompt_tokens,
         generated_tokens=last.generation_tokens,
-        prefill_s=first_at - tic,
+        prefill_s=first_at - tic + probe_s,
         decode_s=end - first_at,
         prompt_tps=last.prompt_tps,
         generation_tps=last.generation_tps,
@@ -113,9 +115,13 @@ def stream_request(model: Any, tokenizer: Any, request: Request) -> Iterator[Uni
     if generation.seed is not None:
         mx.random.seed(generation.seed)
     mx.reset_peak_memory()
+    tic = time.perf_counter()
     caches = make_eviction_cache(model, request.eviction, request.spans)
+    if probed(caches):  # keep="question": probe the instructions after the document first
+        set_probe(caches, make_probe(model, as_tokenizer(tokenizer), request.ids, request.spans))
     yield from _stream_ids(model, as_tokenizer(tokenizer), request.ids, caches, generation=generation,
-                           config=settings_dict(request.eviction, generation), prompt_tokens=len(request.ids))
+                           config=settings_dict(request.eviction, generation), prompt_tokens=len(request.ids),
+                           probe_s=time.perf_counter() - tic)
 
 
 def generate_with_eviction(

@@ -28,6 +28,11 @@ re-scored); the others get ``anchor=None``.
 :func:`score_leverage`): the rules in :data:`RUNNING` keep per-(row, head)
 state over every token seen, updated by :func:`running_update` and read by
 :func:`running_reference`, and the caches treat them alike.
+
+``question`` (:data:`PROBED`) is the one rule that looks outside the keys: it
+scores them against a probe of the job's own instructions, made before the
+document is read (:mod:`knorm_gen.question`); its reference is that probe, fixed,
+so held keys are never re-scored.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
+
+from .question import question_scores
 
 ScoreFn = Callable[[mx.array, mx.array, Optional[mx.array]], mx.array]
 
@@ -137,6 +144,24 @@ def score_leverage(keys: mx.array, positions: mx.array, anchor: Optional[mx.arra
     return -mx.sum((x @ inv) * x, axis=-1)
 
 
+def score_question(keys: mx.array, positions: mx.array, anchor: Optional[tuple] = None) -> mx.array:
+    """Minus the attention the job's instructions would give the key: ``anchor`` is
+    the probe ``(queries (B, H, M, D), pieces (B, P))`` of :func:`knorm_gen.question.make_probe`;
+    the score is :func:`knorm_gen.question.question_scores` with each token in its
+    sentence piece (a position past the probed prompt, a generated token, is a piece
+    of its own). Static: it depends on the key and the probe only."""
+    if anchor is None:
+        raise ValueError("keep='question' scores keys against a probe of the job's instructions, and this cache has "
+                         "none: run it through generate_with_eviction, answer_questions or knorm-batch, which probe "
+                         "first, or set one with knorm_gen.cache.set_probe")
+    queries, pieces = anchor
+    pos = positions[:, 0, :].astype(mx.int64)  # (B, N)
+    last = pieces.shape[-1] - 1
+    inside = mx.take_along_axis(pieces, mx.minimum(pos, last), axis=-1)
+    seg = mx.where(pos <= last, inside, pieces[:, last:] + pos - last)
+    return -question_scores(keys, queries, seg)
+
+
 SCORES: dict[str, ScoreFn] = {
     "low": score_low,
     "high": score_high,
@@ -145,10 +170,16 @@ SCORES: dict[str, ScoreFn] = {
     "keydiff": score_keydiff,
     "blend": score_blend,
     "leverage": score_leverage,
+    "question": score_question,
 }
 
 ANCHORED = frozenset({"keydiff", "blend"})
 """The rules that score against the running anchor (block-size dependent, see above)."""
+
+PROBED = frozenset({"question"})
+"""The rules that score against a probe of the job's instructions, set before the
+prefill (:func:`knorm_gen.cache.set_probe`) and fixed; the caches hand it over as
+the anchor and never re-score held keys."""
 
 RUNNING = ANCHORED | {"leverage"}
 """The rules with running state over every token seen: a block of more than one
@@ -302,12 +333,18 @@ def block_ranks(keep: str, n_sink: int, keys: mx.array, start: mx.array | int,
                 anchor: Optional[mx.array] = None, spans: Optional[mx.array] = None) -> mx.array:
     """Ranks of a block of keys ``(B, H, N, D)`` whose first token sits at absolute
     position ``start`` (an int, or one per batch row); ascending = kept first.
-    ``anchor`` (:func:`running_reference`) is needed by the rules in :data:`RUNNING`;
-    positions outside ``spans`` are pinned."""
+    ``anchor`` (:func:`running_reference`) is needed by the rules in :data:`RUNNING`,
+    the probe by those in :data:`PROBED` (without one, a block whose positions are all
+    pinned is ranked, any other refused); positions outside ``spans`` are pinned."""
     if keep in RUNNING and anchor is None:
         raise ValueError(f"keep={keep!r} scores against its running state: pass it (running_reference)")
     first = mx.array(start, dtype=mx.int64).reshape(-1, 1, 1)
     positions = first + mx.arange(keys.shape[2], dtype=mx.int64)[None, None, :]
+    if keep in PROBED and anchor is None:  # no probe (dropped when pinned): fine while every position is pinned
+        rank = pack_ranks(mx.zeros(keys.shape[:3], mx.float32), positions, n_sink, spans)
+        if mx.any(rank > PROTECTED + _POS_MASK).item():
+            score_question(keys, positions, None)  # raises, naming the fix
+        return rank
     return pack_ranks(SCORES[keep](keys, positions, anchor), positions, n_sink, spans)
 
 

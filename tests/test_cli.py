@@ -393,6 +393,6 @@ def test_a_preset_sets_the_layout_and_explicit_options_override_it(tmp_path, tin
     assert (record["config"]["keep"], record["config"]["skip_layers"]) == ("low", [0, 1])
     job.write_text('[eviction]\npreset = "fast"\n')
     result = invoke(inp, "--job", job)
-    assert result.exit_code == 2 and "preset must be one of paper, retrieval, summarize, auto; got 'fast'" in result.stderr
+    assert result.exit_code == 2 and "preset must be one of paper, retrieval, summarize, question, auto; got 'fast'" in result.stderr
     result = invoke(inp, "--preset", "fast")
     assert result.exit_code == 2 and "'fast' is not one of" in result.stderr

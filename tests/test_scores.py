@@ -6,12 +6,31 @@ import numpy as np
 import pytest
 
 from knorm_gen import L2NormKVCache
-from knorm_gen.scores import ANCHORED, RUNNING, SCORES, pack_ranks, rank_positions
+from knorm_gen.question import LOCAL
+from knorm_gen.scores import ANCHORED, PROBED, RUNNING, SCORES, pack_ranks, rank_positions
 
 from .conftest import LeverageReference, numpy_anchored_score, numpy_running_kept
 from .test_cache import distinct_norm_keys, feed_keys, kept_positions
+from .test_question import reference_scores
 
 T, BUDGET, N_SINK, RECENT = 48, 14, 3, 4
+
+
+def question_probe(heads, dim, t, seed):
+    """A probe for keep="question": unit queries (1, heads, 6, dim) and piece numbers of t positions."""
+    rng = np.random.default_rng(100 + seed)
+    q = rng.normal(size=(1, heads, 6, dim))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    return q.astype(np.float32), np.cumsum(rng.random(t) < 0.3)
+
+
+def rule_cache(keep, keys, seed, budget=BUDGET, n_sink=N_SINK, recent=RECENT):
+    """A cache for ``keep``; a probed rule gets :func:`question_probe` for these keys."""
+    cache = L2NormKVCache(budget, n_sink, recent, keep)
+    if keep in PROBED:
+        q, pieces = question_probe(keys.shape[1], keys.shape[3], keys.shape[2], seed)
+        cache.probe = (mx.array(q), mx.array(pieces)[None])
+    return cache
 
 
 def numpy_block_scores(keep, keys, seed):
@@ -39,6 +58,9 @@ def numpy_block_scores(keep, keys, seed):
     if keep in ANCHORED:
         anchor = (keys / np.linalg.norm(keys, axis=-1, keepdims=True)).mean(axis=2)[0]
         return numpy_anchored_score(keep, keys[0], anchor)[None]
+    if keep == "question":
+        q, pieces = question_probe(keys.shape[1], keys.shape[3], keys.shape[2], seed)
+        return -reference_scores(keys, q, [list(pieces)], LOCAL)
     raise AssertionError(f"no numpy reference for the rule {keep!r}: write one here")
 
 
@@ -50,7 +72,7 @@ def test_kept_set_is_the_rule_ranking(keep, seed):
     keys = distinct_norm_keys(T, np.random.default_rng(seed), heads=2)
     scores = numpy_block_scores(keep, keys, seed)
     mx.random.seed(seed)
-    cache = L2NormKVCache(BUDGET, N_SINK, RECENT, keep)
+    cache = rule_cache(keep, keys, seed)
     feed_keys(cache, keys, [T])
     got = kept_positions(cache)
     protected = set(range(N_SINK)) | set(range(T - RECENT, T))
@@ -63,7 +85,7 @@ def test_kept_set_is_the_rule_ranking(keep, seed):
 def test_every_rule_keeps_budget_and_protects(keep):
     keys = distinct_norm_keys(T, np.random.default_rng(7), heads=3)
     mx.random.seed(3)
-    cache = L2NormKVCache(BUDGET, N_SINK, RECENT, keep)
+    cache = rule_cache(keep, keys, 3)
     feed_keys(cache, keys, [20, 1, 1, 1, 25])
     got = kept_positions(cache)
     assert cache.offset == T and got.shape == (1, 3, BUDGET)
@@ -71,7 +93,8 @@ def test_every_rule_keeps_budget_and_protects(keep):
         assert set(range(N_SINK)) | set(range(T - RECENT, T)) <= set(got[0, h])
 
 
-@pytest.mark.parametrize("keep", [k for k in SCORES if k != "random" and k not in RUNNING])
+# question measures a key against the mean score of its block's neighbours: path dependent, like RUNNING
+@pytest.mark.parametrize("keep", [k for k in SCORES if k != "random" and k not in RUNNING | PROBED])
 def test_deterministic_rules_are_path_independent(keep):
     keys = distinct_norm_keys(T, np.random.default_rng(11), heads=2)
     kept = []
@@ -204,6 +227,9 @@ def test_presets_are_layouts_the_fields_override():
     assert (mixed.keep, mixed.skip_layers, mixed.early_factor) == ("blend", (), None)
     assert mixed.resolved(30).layers == tuple((512, 64) for _ in range(30))  # every layer bounded
     assert paper.coverage == retrieval.coverage == mixed.coverage == 0.0  # a preset is its rule alone
-    with pytest.raises(ValueError, match="preset must be one of paper, retrieval, summarize, auto; got 'x'"):
+    with pytest.raises(ValueError, match="preset must be one of paper, retrieval, summarize, question, auto; got 'x'"):
         make_configs(preset="x")
-    assert set(PRESETS) == {"paper", "retrieval", "summarize", "auto"}
+    question, _ = make_configs(preset="question", budget=64)
+    assert (question.keep, question.coverage, question.recent_share) == ("question", 0.0, 0.125)
+    assert question.resolved(30).layers == tuple((64, 8) for _ in range(30))  # every layer bounded, the eighth recent
+    assert set(PRESETS) == {"paper", "retrieval", "summarize", "question", "auto"}

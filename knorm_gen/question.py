@@ -1,0 +1,157 @@
+"""The ``question`` rule: keep the document keys the job's own instructions would attend to.
+
+Every intrinsic rule (the key's norm, KeyDiff, leverage) lost keys planted in real
+prose, which the same layout kept once they were pinned (docs/results.md, "Keys in
+real prose"): a sentence that does not stand out from its neighbours is lost by
+selection. This rule knows what the job asks. ``benchmarks/question_probe.py``
+measured it. What it does, in order:
+
+1. :func:`probe_queries`: before the document is prefilled, the model runs the
+   template before the document, then the pinned text after it (instructions, the
+   question) at its true RoPE positions, then ``draft`` tokens it answers with no
+   document; the queries of those tokens are recorded per layer.
+2. :func:`segment_ids`: the prompt cut into sentence pieces (a piece ends after a
+   token with a sentence end or a line break in it, or after ``longest`` tokens).
+3. :func:`question_scores`: a key's score is its largest dot product with a unit
+   probe query of its KV head's group, less the mean score within ``local``
+   positions (RoPE's decay with distance would otherwise favour the late keys),
+   and every token of a piece takes the piece's best score, so a hit keeps its
+   whole sentence (the digits after "The pass key is").
+
+:func:`make_probe` runs 1 and 2 for a prompt and its document's positions; the
+caches hold the result (:func:`knorm_gen.cache.set_probe`) and score each block
+against it (:func:`knorm_gen.scores.score_question`). A prompt needs text after the
+document (the instructions, a question) or questions asked of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .mlx_compat import record_attention
+
+PROBE_DRAFT = 8
+"""Tokens the model answers with no document during the probe (their queries join the question's)."""
+
+SEGMENT_TOKENS = 16
+"""The longest sentence piece: 8 split "The pass key is 81313." and lost most keys; 16 and 32 kept them."""
+
+LOCAL = 64
+"""Positions either side whose mean score a key's score is measured against."""
+
+
+class _ProbeCache:
+    """A plain growing cache whose offset (the RoPE position) may jump over the document."""
+
+    def __init__(self):
+        self.keys = self.values = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys = keys if self.keys is None else mx.concatenate([self.keys, keys], axis=2)
+        self.values = values if self.values is None else mx.concatenate([self.values, values], axis=2)
+        self.offset += keys.shape[2]
+        return self.keys, self.values
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+
+def probe_queries(model: Any, ids: Sequence[int], start: int, end: int, question_ids: Sequence[int] = (),
+                  draft: int = PROBE_DRAFT) -> list[mx.array]:
+    """Per layer, ``(1, KV heads, group x probe tokens, head dim)`` unit-length float32
+    queries of the prompt's tokens after the document (``ids[end:]``) and
+    ``question_ids``, at their true positions, then of ``draft`` greedy tokens;
+    ``ids[:start]`` (before the document) is attended but not recorded, and the
+    document ``ids[start:end]`` is not run at all."""
+    ids = [int(t) for t in ids]
+    if not 0 <= start <= end <= len(ids):
+        raise ValueError(f"the document's span [{start}, {end}) does not lie in a prompt of {len(ids)} tokens")
+    after = ids[end:] + [int(t) for t in question_ids]
+    if not after:
+        raise ValueError("nothing after the document to probe: the instructions or a question must follow it")
+    caches = [_ProbeCache() for _ in model.layers]
+    calls: list = []
+    with record_attention(model, calls):
+        if start:
+            model(mx.array(ids[:start])[None], cache=caches)
+        calls.clear()
+        for c in caches:
+            c.offset = end
+        logits = model(mx.array(after)[None], cache=caches)
+        for _ in range(draft):
+            logits = model(mx.array([[int(mx.argmax(logits[0, -1]).item())]]), cache=caches)
+    n = len(model.layers)
+    if len(calls) != n * (1 + draft):
+        raise RuntimeError(f"expected one attention call per layer per pass ({n * (1 + draft)}), recorded {len(calls)}")
+    out = []
+    for i in range(n):
+        q = mx.concatenate([calls[j][0] for j in range(i, len(calls), n)], axis=2).astype(mx.float32)
+        b, hq, m, d = q.shape
+        hk = calls[i][1].shape[1]
+        q = q.reshape(b, hk, (hq // hk) * m, d)  # a KV head's group, every probe token
+        out.append(q * mx.rsqrt(mx.maximum(mx.sum(q * q, axis=-1, keepdims=True), 1e-30)))
+    return out
+
+
+def segment_ids(tokenizer: Any, ids: Sequence[int], longest: int = SEGMENT_TOKENS) -> np.ndarray:
+    """A piece number per token of ``ids``: a piece ends after a token whose text
+    holds ``.``, ``!``, ``?`` or a line break, or after ``longest`` tokens."""
+    if longest < 1:
+        raise ValueError(f"longest={longest}: a piece holds at least one token")
+    out = np.zeros(len(ids), dtype=np.int64)
+    piece = run = 0
+    for i, t in enumerate(ids):
+        out[i] = piece
+        run += 1
+        if run >= longest or any(c in tokenizer.decode([int(t)]) for c in ".!?\n"):
+            piece, run = piece + 1, 0
+    return out
+
+
+def question_scores(keys: mx.array, queries: mx.array, segments: Optional[mx.array] = None,
+                    local: int = LOCAL) -> mx.array:
+    """``(B, H, N)`` float32 scores (higher: more wanted) of a block of keys ``(B, H, N, D)``
+    against unit probe queries ``(B, H, M, D)`` (:func:`probe_queries`); ``segments``:
+    ``(B, N)`` piece numbers of the block's tokens (:func:`segment_ids`), nondecreasing
+    along a row; None: each token alone."""
+    s = mx.max(keys.astype(mx.float32) @ mx.swapaxes(queries.astype(mx.float32), -1, -2), axis=-1)
+    b, h, n = s.shape
+    if local:
+        c = mx.concatenate([mx.zeros((b, h, 1), mx.float32), mx.cumsum(s, axis=-1)], axis=-1)
+        i = mx.arange(n)
+        lo, hi = mx.maximum(i - local, 0), mx.minimum(i + local + 1, n)
+        s = s - (mx.take(c, hi, axis=-1) - mx.take(c, lo, axis=-1)) / (hi - lo).astype(mx.float32)
+    if segments is None:
+        return s
+    seg = mx.array(segments).astype(mx.int64).reshape(b, n)
+    seg = seg - mx.min(seg, axis=-1, keepdims=True) + (mx.arange(b, dtype=mx.int64) * n)[:, None]  # rows apart
+    flat = seg.reshape(-1)
+    rows = mx.swapaxes(s, 1, 2).reshape(b * n, h)  # (B*N, H): a row per token
+    best = mx.full((b * n, h), -mx.inf, dtype=mx.float32).at[flat].maximum(rows)
+    return mx.swapaxes(best[flat].reshape(b, n, h), 1, 2)
+
+
+def make_probe(model: Any, tokenizer: Any, ids: Sequence[int], spans: Sequence[tuple[int, int]],
+               questions: Sequence[Sequence[int]] = (), draft: int = PROBE_DRAFT,
+               longest: int = SEGMENT_TOKENS) -> list[tuple[mx.array, mx.array]]:
+    """Per layer ``(queries, pieces)`` for a prompt ``ids`` whose document lies in
+    ``spans`` (the evictable positions; everything else is the job's): the probe
+    queries of the text after the document and of each of ``questions`` (token ids
+    asked after ``ids``; one probe pass each, their queries joined), and the prompt's
+    sentence pieces ``(1, len(ids))``. ValueError names what is missing."""
+    spans = [(int(a), int(b)) for a, b in spans]
+    if not spans or spans[-1][1] > len(ids):
+        raise ValueError("keep='question' probes what follows the document, and in this prompt the document runs "
+                         "to its end: give the document and its questions apart (answer_questions; a row with "
+                         "--context-field and --question), or use a chat prompt, or another --keep")
+    start, end = spans[0][0], spans[-1][1]
+    asks = [list(q) for q in questions] or [[]]
+    per_ask = [probe_queries(model, ids, start, end, q, draft) for q in asks]
+    pieces = mx.array(segment_ids(tokenizer, ids, longest))[None]
+    return [(mx.concatenate([p[i] for p in per_ask], axis=2) if len(per_ask) > 1 else per_ask[0][i], pieces)
+            for i in range(len(per_ask[0]))]

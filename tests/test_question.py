@@ -1,0 +1,268 @@
+"""knorm_gen.question: the probe pass, sentence pieces and question scores, each
+against an independent reference (float64 numpy loops; mlx_lm's own KVCache)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from knorm_gen.mlx_compat import record_attention
+from knorm_gen.question import probe_queries, question_scores, segment_ids
+
+from .conftest import tiny_llama
+
+
+def reference_scores(keys, queries, segments, local):
+    k, q = np.asarray(keys, np.float64), np.asarray(queries, np.float64)
+    b, h, n, _ = k.shape
+    s = np.empty((b, h, n))
+    for r in range(b):
+        for j in range(h):
+            for i in range(n):
+                s[r, j, i] = max(float(k[r, j, i] @ qq) for qq in q[r, j])
+    if local:
+        m = s.copy()
+        for i in range(n):
+            lo, hi = max(0, i - local), min(n, i + local + 1)
+            m[..., i] = s[..., i] - s[..., lo:hi].mean(axis=-1)
+        s = m
+    if segments is None:
+        return s
+    out = s.copy()
+    for r in range(b):
+        for g in set(segments[r]):
+            at = [i for i in range(n) if segments[r][i] == g]
+            out[r][:, at] = s[r][:, at].max(axis=-1, keepdims=True)
+    return out
+
+
+@pytest.mark.parametrize("local", [0, 3])
+def test_question_scores_match_a_float64_reference(local):
+    rng = np.random.default_rng(1)
+    keys = rng.normal(size=(2, 3, 20, 8)).astype(np.float32)
+    queries = rng.normal(size=(2, 3, 5, 8)).astype(np.float32)
+    queries /= np.linalg.norm(queries, axis=-1, keepdims=True)
+    # row 0: pieces of 1 to 7 tokens; row 1 starts mid-prompt (piece numbers offset), one long piece
+    segments = [[0, 0, 0, 1, 2, 2, 2, 2, 2, 2, 2, 3, 3, 4, 4, 4, 4, 4, 4, 5],
+                [40, 40, 41, 41, 41, 41, 41, 41, 41, 41, 41, 41, 41, 41, 41, 41, 41, 42, 42, 42]]
+    want = reference_scores(keys, queries, segments, local)
+    got = np.array(question_scores(mx.array(keys), mx.array(queries), mx.array(segments), local=local))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    alone = np.array(question_scores(mx.array(keys), mx.array(queries), None, local=local))
+    np.testing.assert_allclose(alone, reference_scores(keys, queries, None, local), rtol=1e-4, atol=1e-4)
+    # a piece shares one score: its tokens tie, so the position breaks the tie
+    assert np.all(got[0, :, 4:11] == got[0, :, 4:5])
+
+
+class _Tok:
+    def __init__(self, words):
+        self.words = words
+
+    def decode(self, ids):
+        return "".join(self.words[i] for i in ids)
+
+
+def test_segment_ids_end_at_sentence_ends_and_at_the_longest_piece():
+    tok = _Tok([" The", " pass", " key", " is", " 8", "1", ".", " Remember", " it", "!\n", " x"])
+    ids = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 10, 10, 10, 10]
+    assert segment_ids(tok, ids, longest=16).tolist() == [0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2]
+    assert segment_ids(tok, ids, longest=3).tolist() == [0, 0, 0, 1, 1, 1, 2, 3, 3, 3, 4, 4, 4, 5, 5]
+    with pytest.raises(ValueError, match="at least one token"):
+        segment_ids(tok, ids, longest=0)
+
+
+def _recorded_queries(model, blocks, draft):
+    """Queries per layer of an ordinary run through mlx_lm's KVCache: the blocks, then greedy tokens."""
+    caches = [KVCache() for _ in model.layers]
+    calls: list = []
+    with record_attention(model, calls):
+        for i, block in enumerate(blocks):
+            if i == len(blocks) - 1:
+                calls.clear()  # only the last block and the draft are probe tokens
+            logits = model(mx.array(block)[None], cache=caches)
+        for _ in range(draft):
+            logits = model(mx.array([[int(mx.argmax(logits[0, -1]).item())]]), cache=caches)
+    n = len(model.layers)
+    out = []
+    for i in range(n):
+        q = np.concatenate([np.array(calls[j][0].astype(mx.float32)) for j in range(i, len(calls), n)], axis=2)
+        b, hq, m, d = q.shape
+        hk = calls[i][1].shape[1]
+        q = q.reshape(b, hk, (hq // hk) * m, d)
+        out.append(q / np.linalg.norm(q, axis=-1, keepdims=True))
+    return out
+
+
+def test_probe_queries_with_no_document_are_an_ordinary_runs_queries():
+    model = tiny_llama(layers=2)
+    ids = [5, 6, 7, 8, 9, 10]  # the template (3 tokens), no document, then the instructions
+    question = [11, 12, 13]
+    got = probe_queries(model, ids, 3, 3, question, draft=2)
+    want = _recorded_queries(model, [ids[:3], ids[3:] + question], draft=2)
+    assert len(got) == 2
+    for g, w in zip(got, want):
+        assert g.shape == (1, 2, 2 * (3 + 3 + 2), 16)  # KV heads, group 2 x (instructions, question, draft)
+        np.testing.assert_allclose(np.array(g), w, rtol=1e-4, atol=1e-5)
+
+
+def test_probe_queries_skip_the_document_but_keep_its_positions():
+    model = tiny_llama(layers=2)
+    doc_a = [1, 2, 3, 4, 5, 6, 7, 8]
+    doc_b = [9, 9, 9, 9, 9, 9, 9, 9]
+    a = probe_queries(model, [20, 21] + doc_a + [30, 31], 2, 10, [40], draft=1)
+    b = probe_queries(model, [20, 21] + doc_b + [30, 31], 2, 10, [40], draft=1)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.array(x), np.array(y))  # the document's tokens are never run
+    # RoPE: the instructions sit at positions 10.., not right after the template
+    near = probe_queries(model, [20, 21, 30, 31], 2, 2, [40], draft=1)
+    assert max(float(np.abs(np.array(x) - np.array(y)).max()) for x, y in zip(a, near)) > 1e-3
+
+
+def test_probe_queries_refuse_a_bad_span_and_an_empty_probe():
+    model = tiny_llama(layers=1)
+    with pytest.raises(ValueError, match="does not lie in a prompt of 4 tokens"):
+        probe_queries(model, [1, 2, 3, 4], 2, 9)
+    with pytest.raises(ValueError, match="nothing after the document"):
+        probe_queries(model, [1, 2, 3, 4], 0, 4)
+
+
+# ---- the rule in the product: the engine, the Python calls, the batch path ----------------
+
+CONTEXT = ("Ada keeps her bicycle in the blue shed. Ben keeps his kayak in the red barn! "
+           "The pass key is 48213. Remember it. Cleo waters the garden on Sundays.\nDan reads.")
+QUESTION = "What is the pass key?"
+BUDGET = 40
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_model_dir):
+    from knorm_gen.models import load_model
+
+    return load_model(str(tiny_model_dir))
+
+
+def _plain_keys(model, ids):
+    """Every layer's keys after an ordinary one-block prefill through mlx_lm's KVCache."""
+    caches = [KVCache() for _ in model.layers]
+    model(mx.array(ids)[None], cache=caches)
+    return [np.array(c.keys[..., : len(ids), :].astype(mx.float32)) for c in caches]
+
+
+def test_a_compressed_context_keeps_the_numpy_ranking_of_its_probe(tiny_loaded):
+    # One block (the prompt is under 512 tokens), so every layer's keys are those of an
+    # ordinary prefill; the kept set is then the float64 ranking of the question scores
+    # (pieces from the prompt's text) with sinks, the recent window and the pinned
+    # template protected.
+    from knorm_gen.config import PRESETS, EvictionConfig
+    from knorm_gen.engine import BatchEngine
+    from knorm_gen.generate import question_request
+    from knorm_gen.question import LOCAL, make_probe
+    from knorm_gen.config import GenerationConfig
+
+    from .test_scores import assert_best_up_to_near_ties
+
+    model, tok = tiny_loaded
+    fields = {k: v for k, v in PRESETS["question"].items()}
+    eviction = EvictionConfig(budget=BUDGET, **fields).for_model(model)
+    request = question_request(model, tok, "k", CONTEXT, [QUESTION], eviction, GenerationConfig(max_tokens=4))
+    ids, (start, end) = request.context_ids, request.spans[0]
+    engine = BatchEngine(model, tok, eviction)
+    caches, _ = engine.prefill_context(ids, request.spans, request.question_ids)
+    probe = make_probe(model, tok, ids, request.spans, request.question_ids)
+    pieces = [int(x) for x in np.array(probe[0][1])[0]]
+    # independent pieces: split the decoded tokens at sentence ends and line breaks (16 at most)
+    want_pieces, piece, run = [], 0, 0
+    for t in ids:
+        want_pieces.append(piece)
+        run += 1
+        if run == 16 or any(c in tok.decode([t]) for c in ".!?\n"):
+            piece, run = piece + 1, 0
+    assert pieces == want_pieces
+    keys = _plain_keys(model, ids)
+    n_sink, recent = 4, caches[0].recent
+    protected = set(range(n_sink)) | set(range(len(ids) - recent, len(ids))) | set(range(start)) | \
+        set(range(end, len(ids)))
+    for layer, (c, k) in enumerate(zip(caches, keys)):
+        assert c.keep == "question" and c.probe is not None
+        scores = -reference_scores(k, np.array(probe[layer][0]), [pieces], LOCAL)
+        got = np.array(c.ordered_state()[2])[0]
+        for h in range(got.shape[0]):
+            scored = {p: float(scores[0, h, p]) for p in range(len(ids))}
+            assert_best_up_to_near_ties(list(got[h]), scored, protected, c.limit, (layer, h))
+
+
+def _greedy_alone(model, tok, prompt, max_tokens):
+    """A single-row greedy loop through caches probed by hand (make_probe, set_probe),
+    keeping each step's top-2 logit gap: the reference every product path is held to."""
+    from knorm_gen.cache import make_eviction_cache, set_probe
+    from knorm_gen.config import PRESETS, EvictionConfig
+    from knorm_gen.prompts import encode_with_spans
+    from knorm_gen.question import make_probe
+
+    ids, spans = encode_with_spans(tok, prompt, None, None)
+    config = EvictionConfig(budget=BUDGET, **PRESETS["question"])
+    caches = set_probe(make_eviction_cache(model, config, spans), make_probe(model, tok, ids, spans))
+    model(mx.array(ids[:-1])[None], cache=caches)
+    tokens, gaps, nxt = [], [], ids[-1]
+    for _ in range(max_tokens):
+        logits = model(mx.array([[nxt]]), cache=caches)[0, -1]
+        top = np.sort(np.array(logits))[-2:]
+        gaps.append(float(top[1] - top[0]))
+        nxt = int(mx.argmax(logits).item())
+        tokens.append(nxt)
+        if nxt in tok.eos_token_ids:
+            break
+    return tokens, gaps
+
+
+def assert_follows(got, want, gaps, what):
+    """``got`` is ``want`` token for token, or first leaves it where the reference's top-2
+    logits were within 0.05 (batch shapes round differently; DESIGN.md section 4)."""
+    if got != want:
+        i = next(k for k in range(min(len(got), len(want))) if got[k] != want[k])
+        assert gaps[i] < 0.05, f"{what}: diverged at token {i} with a top-2 gap of {gaps[i]:.3f}"
+
+
+def test_question_rule_through_the_python_calls(tiny_loaded):
+    from knorm_gen import answer_questions, generate_batch_with_eviction, generate_with_eviction
+
+    model, tok = tiny_loaded
+    prompts = [CONTEXT + "\n\n" + QUESTION, "Eve paints fences. " * 6 + "\n\nWho paints?"]
+    refs = [_greedy_alone(model, tok, p, 6) for p in prompts]
+    alone = generate_with_eviction(model, tok, prompts[0], preset="question", budget=BUDGET, max_tokens=6)
+    assert alone.config["keep"] == "question" and alone.tokens_kept < alone.tokens_seen
+    assert alone.kept_bytes <= alone.kv_ceiling_bytes
+    assert_follows(alone.tokens, *refs[0], "generate_with_eviction")
+    # the batch path prefills a question-aware row alone (after its probe), then decodes it in the batch
+    both = generate_batch_with_eviction(model, tok, prompts, preset="question", budget=BUDGET, max_tokens=6,
+                                        batch_size=2)
+    for i, (r, (want, gaps)) in enumerate(zip(both, refs)):
+        assert_follows(r.tokens, want, gaps, f"batch row {i}")
+        assert r.config["keep"] == "question" and r.prefill_s > 0 and r.kept_bytes <= r.kv_ceiling_bytes
+    assert both[0].tokens_kept == alone.tokens_kept
+    (answer,) = answer_questions(model, tok, CONTEXT, [QUESTION], preset="question", budget=BUDGET, max_tokens=6)
+    assert answer.config["keep"] == "question" and answer.kept_bytes <= answer.kv_ceiling_bytes
+    assert answer.tokens_kept < answer.tokens_seen
+
+
+def test_question_rule_refuses_a_prompt_with_nothing_to_probe(tiny_loaded):
+    from knorm_gen import generate_with_eviction
+
+    model, tok = tiny_loaded
+    # completion style with the whole prompt evictable: no instructions after the document
+    with pytest.raises(ValueError, match="the document runs to its end: give the document and its questions apart"):
+        generate_with_eviction(model, tok, CONTEXT, preset="question", budget=BUDGET, max_tokens=2, chat=False)
+
+
+def test_a_cache_without_its_probe_evicts_nothing_it_was_not_probed_for():
+    from knorm_gen.cache import BatchEvictionKVCache, EvictionKVCache
+
+    keys = mx.array(np.random.default_rng(0).normal(size=(1, 2, 30, 8)).astype(np.float32))
+    with pytest.raises(ValueError, match="probe of the job's instructions"):
+        EvictionKVCache(12, 2, 2, "question").update_and_fetch(keys, keys)
+    with pytest.raises(ValueError, match="probe of the job's instructions"):
+        BatchEvictionKVCache(12, 2, 2, "question", batch_size=1).update_and_fetch(keys, keys)
+    # pinned (a question over a compressed context): nothing is evictable, no probe is needed
+    pinned = EvictionKVCache(12, 2, 2, "question", spans=())
+    pinned.update_and_fetch(keys, keys)
+    assert pinned.tokens_kept == 30
