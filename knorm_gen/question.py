@@ -20,8 +20,9 @@ measured it. What it does, in order:
 
 :func:`make_probe` runs 1 and 2 for a prompt and its document's positions; the
 caches hold the result (:func:`knorm_gen.cache.set_probe`) and score each block
-against it (:func:`knorm_gen.scores.score_question`). A prompt needs text after the
-document (the instructions, a question) or questions asked of it.
+against it (:func:`knorm_gen.scores.score_question`). It works best with questions asked
+apart from the document (``answer_questions``, question rows); a prompt is probed by the
+text after its document and the document's last :data:`PROMPT_TAIL` tokens.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ SEGMENT_TOKENS = 16
 
 LOCAL = 64
 """Positions either side whose mean score a key's score is measured against."""
+
+PROMPT_TAIL = 64
+"""Without questions asked apart, the document's last tokens the probe reads too: a prompt's own
+question sits there (in a chat prompt the user's whole text is the document)."""
 
 
 class _ProbeCache:
@@ -138,19 +143,23 @@ def question_scores(keys: mx.array, queries: mx.array, segments: Optional[mx.arr
 
 def make_probe(model: Any, tokenizer: Any, ids: Sequence[int], spans: Sequence[tuple[int, int]],
                questions: Sequence[Sequence[int]] = (), draft: int = PROBE_DRAFT,
-               longest: int = SEGMENT_TOKENS) -> list[tuple[mx.array, mx.array]]:
+               longest: int = SEGMENT_TOKENS, tail: int = PROMPT_TAIL) -> list[tuple[mx.array, mx.array]]:
     """Per layer ``(queries, pieces)`` for a prompt ``ids`` whose document lies in
     ``spans`` (the evictable positions; everything else is the job's): the probe
     queries of the text after the document and of each of ``questions`` (token ids
     asked after ``ids``; one probe pass each, their queries joined), and the prompt's
-    sentence pieces ``(1, len(ids))``. ValueError names what is missing."""
-    spans = [(int(a), int(b)) for a, b in spans]
-    if not spans or spans[-1][1] > len(ids):
-        raise ValueError("keep='question' probes what follows the document, and in this prompt the document runs "
-                         "to its end: give the document and its questions apart (answer_questions; a row with "
-                         "--context-field and --question), or use a chat prompt, or another --keep")
-    start, end = spans[0][0], spans[-1][1]
-    asks = [list(q) for q in questions] or [[]]
+    sentence pieces ``(1, len(ids))``. Without ``questions`` the probe also reads the
+    document's last ``tail`` tokens, where a question written into the prompt sits
+    (a whole prompt evictable, completion style, is probed by its end alone)."""
+    ids = [int(t) for t in ids]
+    if not ids:
+        raise ValueError("an empty prompt has nothing to probe")
+    spans = [(int(a), min(int(b), len(ids))) for a, b in spans]
+    start, end = (spans[0][0], spans[-1][1]) if spans else (0, len(ids))
+    asks = [list(q) for q in questions]
+    if not asks:
+        end = max(start, end - tail)
+        asks = [[]]
     per_ask = [probe_queries(model, ids, start, end, q, draft) for q in asks]
     pieces = mx.array(segment_ids(tokenizer, ids, longest))[None]
     return [(mx.concatenate([p[i] for p in per_ask], axis=2) if len(per_ask) > 1 else per_ask[0][i], pieces)

@@ -230,9 +230,9 @@ class Tuner:
                 self._seed(name + key)
                 caches = prefill(model, prefix, self.caches(arm, budget, spans, prefix, [q_ids]), self.step)
                 answers["ctq"] = tok.decode(_greedy(model, tok, q_ids, caches, 16))
-            if "whole" in self.modes and not self.probed(arm):  # the whole prompt evictable: nothing to probe
+            if "whole" in self.modes:  # the whole prompt evictable: a question-aware arm probes its end
                 self._seed(name + key)
-                caches = prefill(model, whole[:-1], self.caches(arm, budget), self.step)
+                caches = prefill(model, whole[:-1], self.caches(arm, budget, ids=whole), self.step)
                 answers["whole"] = tok.decode(_greedy(model, tok, whole[-1:], caches, 16))
             for mode, text in answers.items():
                 rows.append(dict(task="passkey", doc=name, arm=arm, mode=mode, depth=depth, key=key,

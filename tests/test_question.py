@@ -245,13 +245,28 @@ def test_question_rule_through_the_python_calls(tiny_loaded):
     assert answer.tokens_kept < answer.tokens_seen
 
 
-def test_question_rule_refuses_a_prompt_with_nothing_to_probe(tiny_loaded):
+def test_a_prompt_without_questions_is_probed_by_its_end(tiny_loaded):
     from knorm_gen import generate_with_eviction
+    from knorm_gen.question import PROMPT_TAIL, make_probe
+    from knorm_gen.scores import ALL_EVICTABLE
 
     model, tok = tiny_loaded
-    # completion style with the whole prompt evictable: no instructions after the document
-    with pytest.raises(ValueError, match="the document runs to its end: give the document and its questions apart"):
-        generate_with_eviction(model, tok, CONTEXT, preset="question", budget=BUDGET, max_tokens=2, chat=False)
+    ids = tok.encode(CONTEXT + " " + QUESTION, add_special_tokens=False)
+    # completion style: the whole prompt is evictable; the probe runs its last PROMPT_TAIL tokens and the
+    # draft, exactly as if those tokens were instructions after a document that ends before them
+    probe = make_probe(model, tok, ids, ALL_EVICTABLE, draft=3)
+    assert probe[0][0].shape == (1, 2, 2 * (PROMPT_TAIL + 3), 16) and probe[0][1].shape == (1, len(ids))
+    cut = len(ids) - PROMPT_TAIL
+    as_instructions = make_probe(model, tok, ids, [(0, cut)], [], draft=3, tail=0)
+    with_document = _recorded_queries(model, [ids[:cut], ids[cut:]], draft=3)
+    for (q, _), (r, _), w in zip(probe, as_instructions, with_document):
+        np.testing.assert_array_equal(np.array(q), np.array(r))
+        assert not np.allclose(np.array(q), w, atol=1e-3)  # the document before the tail is never run
+    r = generate_with_eviction(model, tok, CONTEXT + " " + QUESTION, preset="question", budget=BUDGET,
+                               max_tokens=2, chat=False)
+    assert r.config["keep"] == "question" and r.tokens_kept < r.tokens_seen
+    with pytest.raises(ValueError, match="empty prompt"):
+        make_probe(model, tok, [], ALL_EVICTABLE)
 
 
 def test_a_cache_without_its_probe_evicts_nothing_it_was_not_probed_for():
