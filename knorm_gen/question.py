@@ -43,6 +43,10 @@ SEGMENT_TOKENS = 16
 LOCAL = 64
 """Positions either side whose mean score a key's score is measured against."""
 
+PROBE_SINK = 4
+"""A prompt probed without questions always runs its first tokens, as the cache always keeps its
+sinks: without a BOS or the template's start (a prompt all evictable) the probe lost every key on SmolLM2."""
+
 PROMPT_TAIL = 64
 """Without questions asked apart, the document's last tokens the probe reads too: a prompt's own
 question sits there (in a chat prompt the user's whole text is the document)."""
@@ -157,8 +161,9 @@ def make_probe(model: Any, tokenizer: Any, ids: Sequence[int], spans: Sequence[t
     spans = [(int(a), min(int(b), len(ids))) for a, b in spans]
     start, end = (spans[0][0], spans[-1][1]) if spans else (0, len(ids))
     asks = [list(q) for q in questions]
-    if not asks:
+    if not asks:  # a prompt: its end holds the question; its first tokens (a BOS, the template's start) are run
         end = max(start, end - tail)
+        start = min(max(start, PROBE_SINK), end)
         asks = [[]]
     per_ask = [probe_queries(model, ids, start, end, q, draft) for q in asks]
     pieces = mx.array(segment_ids(tokenizer, ids, longest))[None]

@@ -43,6 +43,21 @@ def tiny_model():
     return tiny_llama()
 
 
+def greedy_with_gaps(model, caches, token, max_tokens, eos):
+    """Greedy tokens after ``token`` through ``caches``, with each step's top-2 logit gap
+    (a divergence from another path is a near-tie only where the gap is small)."""
+    tokens, gaps = [], []
+    for _ in range(max_tokens):
+        logits = model(mx.array([[token]]), cache=caches)[0, -1]
+        top = np.sort(np.array(logits))[-2:]
+        gaps.append(float(top[1] - top[0]))
+        token = int(mx.argmax(logits).item())
+        tokens.append(token)
+        if token in eos:
+            break
+    return tokens, gaps
+
+
 # Two prefill block splits through the embedded 30-layer model gave last-token
 # logits up to 3.5e-5 apart (one 700-token block vs 512+188, 300+1+1+1+397 and
 # 50 single tokens + 650; AMD EPYC, OpenBLAS; logits up to 34). A top-2 gap

@@ -19,7 +19,7 @@ from knorm_gen.prompts import encode_prompt
 from knorm_gen.corpus import text_of_tokens
 from knorm_gen.models import load_model
 
-from .conftest import document_span, kept_after
+from .conftest import document_span, greedy_with_gaps, kept_after
 
 LOGIT_TOL = 1e-3  # about 20x the largest teacher-forced difference measured
 NEAR_TIE_REL = 1e-5  # relative key-norm gap within which a kept token may differ
@@ -113,16 +113,7 @@ def greedy_alone(model, ids, config, max_tokens, eos):
     caches = make_eviction_cache(model, config)
     for s in range(0, len(ids) - 1, 512):
         model(mx.array(ids[s : min(s + 512, len(ids) - 1)])[None], cache=caches)
-    tokens, gaps, nxt = [], [], ids[-1]
-    for _ in range(max_tokens):
-        logits = model(mx.array([[nxt]]), cache=caches)[0, -1]
-        top = np.sort(np.array(logits))[-2:]
-        gaps.append(float(top[1] - top[0]))
-        nxt = int(mx.argmax(logits).item())
-        tokens.append(nxt)
-        if nxt in eos:
-            break
-    return tokens, gaps
+    return greedy_with_gaps(model, caches, ids[-1], max_tokens, eos)
 
 
 def test_greedy_batch_equals_batch_1_with_rows_leaving_and_joining(mt):

@@ -9,7 +9,7 @@ from mlx_lm.models.cache import KVCache
 from knorm_gen.mlx_compat import record_attention
 from knorm_gen.question import probe_queries, question_scores, segment_ids
 
-from .conftest import tiny_llama
+from .conftest import greedy_with_gaps, tiny_llama
 
 
 def reference_scores(keys, queries, segments, local):
@@ -203,16 +203,7 @@ def _greedy_alone(model, tok, prompt, max_tokens):
     config = EvictionConfig(budget=BUDGET, **PRESETS["question"])
     caches = set_probe(make_eviction_cache(model, config, spans), make_probe(model, tok, ids, spans))
     model(mx.array(ids[:-1])[None], cache=caches)
-    tokens, gaps, nxt = [], [], ids[-1]
-    for _ in range(max_tokens):
-        logits = model(mx.array([[nxt]]), cache=caches)[0, -1]
-        top = np.sort(np.array(logits))[-2:]
-        gaps.append(float(top[1] - top[0]))
-        nxt = int(mx.argmax(logits).item())
-        tokens.append(nxt)
-        if nxt in tok.eos_token_ids:
-            break
-    return tokens, gaps
+    return greedy_with_gaps(model, caches, ids[-1], max_tokens, set(tok.eos_token_ids))
 
 
 def assert_follows(got, want, gaps, what):
