@@ -614,8 +614,6 @@ class BatchEvictionKVCache(_BaseCache):
         if self.keys is None:
             return 0
         state = 0 if self.key_sum is None else self.key_sum.nbytes
-        if self.probe is not None:
-            state += self.probe[0].nbytes + self.probe[1].nbytes
         return quant.nbytes(self.keys) + quant.nbytes(self.values) + self.rank.nbytes + state
 
     def is_trimmable(self) -> bool:

@@ -338,7 +338,7 @@ preset_option = click.option(
          "uncompressed (the paper); retrieval: keep-low, the first 30% of the full-attention layers uncompressed "
          "(memory grows with the input); summarize: KeyDiff in every layer (0.2's default); question: the question "
          "rule in every layer, keeping the keys the instructions after the document would attend to (probed "
-         "first; needs a question or instructions after the document); auto: the layout knorm-tune saved for this "
+         "first; best with questions asked apart from the document); auto: the layout knorm-tune saved for this "
          "model (the default without one).")
 
 

@@ -694,8 +694,8 @@ the best at pass keys on the embedded model, memory grows with the input).
 ``summarize``: KeyDiff in every layer, every layer bounded (the default of 0.2).
 ``question``: the ``question`` rule in every layer (the keys the job's instructions
 would attend to, probed before the document is read: :mod:`knorm_gen.question`),
-the recent eighth, no coverage, every layer bounded; it needs text after the
-document (instructions, a question).
+the recent eighth, no coverage, every layer bounded; best with questions asked
+apart from the document (a prompt is probed by its document's end).
 ``auto``: the layout ``knorm-tune`` saved for the model (the default without one)."""
 
 

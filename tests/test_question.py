@@ -272,3 +272,7 @@ def test_a_cache_without_its_probe_evicts_nothing_it_was_not_probed_for():
     pinned = EvictionKVCache(12, 2, 2, "question", spans=())
     pinned.update_and_fetch(keys, keys)
     assert pinned.tokens_kept == 30
+    batch = BatchEvictionKVCache(40, 2, 2, "question", batch_size=1, spans=[()])
+    batch.update_and_fetch(keys, keys)
+    # a batch cache holds no probe: its bytes are its buffers, ranks and nothing else
+    assert batch.nbytes == 2 * batch.keys.nbytes + batch.rank.nbytes
