@@ -38,7 +38,7 @@ from . import quant
 from .mlx_compat import _BaseCache, create_attention_mask, is_full_attention, make_prompt_cache, register_cache_class
 from .quant import Stored
 from .scores import (ALL_EVICTABLE, PAD, PROBED, PROTECTED, RUNNING, Spans, block_ranks, capacity, check_spans,
-                     cover_slots, evict_key, open_ended, pin_from, pinned_count, rank_positions, rescore,
+                     cover_slots, evict_key, evictable_from, open_ended, pin_from, pinned_count, rank_positions, rescore,
                      running_reference, running_update, running_zeros, span_array)
 
 
@@ -114,7 +114,8 @@ class EvictionKVCache(_BaseCache):
                 self.rank[:, :, : self.count] = rescore(self.keep, self.n_sink, self._float_keys(self.count),
                                                         held, anchor, spans)
         # Scored in full precision, stored (and attended) quantized when kv_bits is set.
-        rank = block_ranks(self.keep, self.n_sink, keys, self.offset, anchor, spans)
+        rank = block_ranks(self.keep, self.n_sink, keys, self.offset, anchor, spans,
+                           pinned=not evictable_from(self.spans, self.offset))
         keys, values = self._store(keys, values)
         self.offset += n
         limit = self.limit
@@ -669,6 +670,10 @@ class BatchEvictionKVCache(_BaseCache):
         self.holes = [False] * self.batch_size
         self.free = None
 
+    def _all_pinned(self) -> bool:
+        """Whether every row pins every position it is fed from now on."""
+        return not any(evictable_from(s, seen) for s, seen in zip(self.spans, self.seen))
+
     def _decode(self, keys: mx.array, values: mx.array):
         counts = mx.array(self.counts, dtype=mx.int32)
         slot = mx.broadcast_to(counts[:, None], keys.shape[:2])
@@ -683,7 +688,7 @@ class BatchEvictionKVCache(_BaseCache):
             self.key_sum = running_update(self.keep, self.key_sum, keys, self.seen)
             anchor = running_reference(self.keep, self.key_sum, [s + 1 for s in self.seen])
         rank = block_ranks(self.keep, self.n_sink, keys, mx.array(self.seen, dtype=mx.int64), anchor,
-                           span_array(self.spans))
+                           span_array(self.spans), pinned=self._all_pinned())
         keys, values = self._store(keys, values)
         at = slot[..., None, None]
         self.keys = quant.put(self.keys, at, keys)
@@ -728,7 +733,8 @@ class BatchEvictionKVCache(_BaseCache):
                 held = self.rank[:, :, :width]
                 again = rescore(self.keep, self.n_sink, self._float_keys(width), held, anchor, spans)
                 self.rank[:, :, :width] = mx.where(mx.array([r > 1 for r in real])[:, None, None], again, held)
-        rank = block_ranks(self.keep, self.n_sink, keys, mx.array(self.seen, dtype=mx.int64), anchor, spans)
+        rank = block_ranks(self.keep, self.n_sink, keys, mx.array(self.seen, dtype=mx.int64), anchor, spans,
+                           pinned=self._all_pinned())
         if any(r < n for r in real):  # right padding: never kept, never counted
             is_pad = mx.arange(n)[None, :] >= mx.array(real)[:, None]
             rank = mx.where(is_pad[:, None, :], PAD, rank)

@@ -129,8 +129,9 @@ class BatchEngine:
         if caches is None:
             tic = time.perf_counter()
             caches = self.probed_caches(ids, spans)
-            if probed(caches) and len(ids) > 1:
-                prefill(self.model, ids[:-1], caches, self.prefill_step_size)
+            if probed(caches):  # pinned even for a one-token prompt: a batch cache holds no probe
+                if len(ids) > 1:
+                    prefill(self.model, ids[:-1], caches, self.prefill_step_size)
                 caches, ids, alone_s = pin_caches(caches), ids[-1:], time.perf_counter() - tic
         (uid,) = self._gen.insert(
             [list(ids)], max_tokens=[generation.max_tokens],

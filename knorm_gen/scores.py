@@ -329,21 +329,32 @@ def pack_ranks(score: mx.array, positions: mx.array, n_sink: int, spans: Optiona
     return rank
 
 
+def refuse_unprobed(keys: mx.array, positions: mx.array, rank: mx.array) -> None:
+    """Raise, naming the fix, when a probed rule without its probe ranks an evictable
+    position (it waits on the device for the answer)."""
+    if mx.any(rank > PROTECTED + _POS_MASK).item():
+        score_question(keys, positions, None)  # raises, naming the fix
+
+
 def block_ranks(keep: str, n_sink: int, keys: mx.array, start: mx.array | int,
-                anchor: Optional[mx.array] = None, spans: Optional[mx.array] = None) -> mx.array:
+                anchor: Optional[mx.array] = None, spans: Optional[mx.array] = None,
+                pinned: bool = False) -> mx.array:
     """Ranks of a block of keys ``(B, H, N, D)`` whose first token sits at absolute
     position ``start`` (an int, or one per batch row); ascending = kept first.
     ``anchor`` (:func:`running_reference`) is needed by the rules in :data:`RUNNING`,
     the probe by those in :data:`PROBED` (without one, a block whose positions are all
-    pinned is ranked, any other refused); positions outside ``spans`` are pinned."""
+    pinned is ranked, any other refused); positions outside ``spans`` are pinned.
+    ``pinned``: the caller knows every position of the block is pinned
+    (:func:`evictable_from`), so a rule without its probe skips the check, which
+    would wait on the device at every decode step of every layer."""
     if keep in RUNNING and anchor is None:
         raise ValueError(f"keep={keep!r} scores against its running state: pass it (running_reference)")
     first = mx.array(start, dtype=mx.int64).reshape(-1, 1, 1)
     positions = first + mx.arange(keys.shape[2], dtype=mx.int64)[None, None, :]
     if keep in PROBED and anchor is None:  # no probe (dropped when pinned): fine while every position is pinned
         rank = pack_ranks(mx.zeros(keys.shape[:3], mx.float32), positions, n_sink, spans)
-        if mx.any(rank > PROTECTED + _POS_MASK).item():
-            score_question(keys, positions, None)  # raises, naming the fix
+        if not pinned:
+            refuse_unprobed(keys, positions, rank)
         return rank
     return pack_ranks(SCORES[keep](keys, positions, anchor), positions, n_sink, spans)
 
@@ -393,6 +404,11 @@ def pinned_count(spans: Spans, n_sink: int, seen: int) -> int:
 def pin_from(spans: Spans, at: int) -> Spans:
     """``spans`` with every position from ``at`` on pinned."""
     return tuple((a, min(b, at)) for a, b in spans if a < at)
+
+
+def evictable_from(spans: Spans, at: int) -> bool:
+    """Whether any position from ``at`` on lies in ``spans`` (may be evicted)."""
+    return any(b > at for _, b in spans)
 
 
 def open_ended(spans: Spans) -> bool:

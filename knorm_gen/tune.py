@@ -178,11 +178,6 @@ class Tuner:
             set_probe(caches, make_probe(self.model, self.tok, ids, spans, questions))
         return caches
 
-    def probed(self, arm: str) -> bool:
-        """Whether ``arm`` scores against a probe of the instructions (it cannot run on raw text)."""
-        return arm != "full" and PROBED & {self.arms[arm].get("keep"), self.arms[arm].get("early_keep"),
-                                           *(self.arms[arm].get("layer_keep") or {}).values()} != set()
-
     def _seed(self, name: str) -> None:
         mx.random.seed(int.from_bytes(name.encode()[:8], "little") % (2**31))  # random arms: the same draws per doc
 
@@ -321,9 +316,10 @@ class Tuner:
         head, rest = ids[:-tail], ids[-tail:]
         budget = max(8, int(len(head) / self.ratio))
         rows = []
-        for arm in ["full", *(a for a in self.arms if not self.probed(a))]:  # raw text: nothing to probe
+        for arm in ["full", *self.arms]:
             self._seed(doc.name)
-            caches = prefill(self.model, head[:-1], self.caches(arm, budget), self.step)
+            # raw text has no questions: a question-aware arm is probed by the head's own end, as the product probes
+            caches = prefill(self.model, head[:-1], self.caches(arm, budget, ids=head), self.step)
             nll = answer_nll(self.model, caches, head[-1:], rest)  # the tail as one block after the compressed head
             rows.append(dict(task="ppl", doc=doc.name, arm=arm, tokens=len(head), budget=budget, nll=nll))
         return rows

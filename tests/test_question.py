@@ -276,3 +276,45 @@ def test_a_cache_without_its_probe_evicts_nothing_it_was_not_probed_for():
     batch.update_and_fetch(keys, keys)
     # a batch cache holds no probe: its bytes are its buffers, ranks and nothing else
     assert batch.nbytes == 2 * batch.keys.nbytes + batch.rank.nbytes
+
+
+def test_pinned_question_caches_decode_without_waiting_on_the_device(monkeypatch):
+    # The refusal check (one mx.any(...).item() per layer per step) must not run once a
+    # cache pins everything it is fed: every answer of answer_questions decodes that way.
+    import knorm_gen.scores
+    from knorm_gen.cache import BatchEvictionKVCache, EvictionKVCache
+
+    keys = mx.array(np.random.default_rng(1).normal(size=(1, 2, 30, 8)).astype(np.float32))
+    checked = []
+    real = knorm_gen.scores.refuse_unprobed
+    monkeypatch.setattr(knorm_gen.scores, "refuse_unprobed", lambda *a: checked.append(1) or real(*a))
+    single = EvictionKVCache(12, 2, 2, "question", spans=((4, 20),))
+    single.probe = (mx.ones((1, 2, 3, 8)), mx.zeros((1, 30), dtype=mx.int32))
+    single.update_and_fetch(keys, keys)
+    single.pin()
+    batch = BatchEvictionKVCache(12, 2, 2, "question", batch_size=2, spans=[(), ()])
+    batch.update_and_fetch(mx.concatenate([keys[:, :, :20]] * 2), mx.concatenate([keys[:, :, :20]] * 2))
+    for t in range(5):
+        single.update_and_fetch(keys[:, :, t : t + 1], keys[:, :, t : t + 1])
+        batch.update_and_fetch(mx.concatenate([keys[:, :, t : t + 1]] * 2), mx.concatenate([keys[:, :, t : t + 1]] * 2))
+    assert checked == [] and single.tokens_kept == 12 + 12 + 5  # the budget, positions 2-3 and 20-29, the answer
+    # a cache that may still evict is checked, and refuses without its probe
+    open_row = BatchEvictionKVCache(12, 2, 2, "question", batch_size=1)
+    with pytest.raises(ValueError, match="probe of the job's instructions"):
+        open_row.update_and_fetch(keys, keys)
+    assert checked == [1]
+
+
+def test_a_one_token_prompt_under_the_question_rule_decodes_past_its_budget(tiny_loaded):
+    # Nothing to prefill alone: the row is pinned anyway (a batch cache holds no probe,
+    # so an evictable answer would be refused); it is the full cache's greedy answer.
+    from knorm_gen import generate_batch_with_eviction
+
+    model, tok = tiny_loaded
+    token = tok.encode("The", add_special_tokens=False)[0]
+    want, gaps = greedy_with_gaps(model, [KVCache() for _ in model.layers], token, 12, set())
+    rows = generate_batch_with_eviction(model, tok, [[token], CONTEXT + "\n\n" + QUESTION], preset="question",
+                                        budget=8, max_tokens=12, batch_size=2)
+    assert rows[0].config["keep"] == "question" and rows[0].kept_bytes <= rows[0].kv_ceiling_bytes
+    assert_follows(rows[0].tokens[: len(want)], want, gaps, "one-token row")
+    assert len(rows[0].tokens) == 12 or rows[0].tokens[-1] in tok.eos_token_ids

@@ -392,3 +392,32 @@ def test_a_tuning_with_a_mix_saves_it_and_preset_auto_runs_each_layers_rule(tiny
     save_tuning(model, {**record, "chosen": "mix", "layout": record["mix"]["layout"]})
     caches = make_eviction_cache(model, tuned_config(model, budget=16))
     assert [c.keep for c in caches] == ["low"] + ["blend"] * (len(model.layers) - 1)
+
+
+def test_perplexity_measures_a_question_arm_probed_by_the_end_of_its_text(tiny_model_dir):
+    # Raw text has no questions: the question rule is probed by the text's own end, as
+    # generate_with_eviction probes a prompt without questions; reference: a hand-probed
+    # cache, then the tail through the model in one pass, scored in numpy.
+    from knorm_gen.cache import make_eviction_cache, set_probe
+    from knorm_gen.question import make_probe
+    from knorm_gen.scores import ALL_EVICTABLE
+    from knorm_gen.tune import Doc, Tuner
+
+    model, tok = load_model(str(tiny_model_dir))
+    doc = Doc("d", "Gulls cry over the pier at noon. The harbor keeps a log of ships and storms. " * 12)
+    rows = Tuner(model, tok, {"question": CANDIDATES["question"]}).perplexity(doc, tail=32)
+    got = {r["arm"]: r for r in rows}
+    assert set(got) == {"full", "question"}
+    ids = tok.encode(doc.text, add_special_tokens=True)
+    head, rest = ids[:-32], ids[-32:]
+    config = EvictionConfig(budget=got["question"]["budget"], **CANDIDATES["question"])
+    caches = set_probe(make_eviction_cache(model, config), make_probe(model, tok, head, ALL_EVICTABLE))
+    for at in range(0, len(head) - 1, 512):  # the tuner's 512-token blocks
+        model(mx.array(head[at : min(at + 512, len(head) - 1)])[None], cache=caches)
+    assert caches[0].tokens_kept < caches[0].tokens_seen  # it evicted
+    seq = head[-1:] + rest
+    lg = model(mx.array(seq[:-1])[None], cache=caches)
+    want = _nll_at(lg, seq, 1, len(seq))
+    assert got["question"]["nll"] == pytest.approx(want, rel=1e-4)
+    full = _nll_at(model(mx.array(ids)[None]), ids, len(head), len(ids))
+    assert got["full"]["nll"] == pytest.approx(full, rel=1e-4)
