@@ -79,21 +79,26 @@ def report(paths, first: str = "lev30_blend_cov25_rec50") -> str:
         out.append("| layout | fidelity (recovered) | wins vs random | pass keys (of the full cache's) | in documents "
                    "| in filler | ppl vs full |")
         out.append("|---|---|---|---|---|---|---|")
-        found = {(r["doc"], r["key"]) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == "full" and r["ok"]}
+        # a case is (document, key, mode): with --modes ctq,whole each key is asked twice
+        def case(r):
+            return r["doc"], r["key"], r.get("mode")
+
+        found = {case(r) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == "full" and r["ok"]}
         for arm, v in [(a, table[a]) for a in (*arms, "full")]:
             rec = "-" if v["recovered"] is None else f"{v['recovered']:.1%}"
             ppl = "-" if v["ppl_ratio"] is None else f"{v['ppl_ratio']:.3f}x"
             keys = (f"{v['full_keys']}/{v['keys_total']}" if arm == "full" else "-" if not v["keys_total"] else
-                    f"{v['keys_of_full']}/{len(found & {(r['doc'], r['key']) for r in d['rows'] if r['task'] == 'passkey' and r['arm'] == arm})}")
+                    f"{len(found & {case(r) for r in d['rows'] if r['task'] == 'passkey' and r['arm'] == arm and r['ok']})}"
+                    f"/{len(found & {case(r) for r in d['rows'] if r['task'] == 'passkey' and r['arm'] == arm})}")
             wins = f"{v['wins_vs_random']}/{v['fidelity_docs']}" if arm not in ("full", "random") and v["fidelity_docs"] \
                 else "-"
             split = []
             for filler in (False, True):
-                cases = {(r["doc"], r["key"]) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == "full"
+                cases = {case(r) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == "full"
                          and r["doc"].startswith("filler:") == filler}
-                asked = {(r["doc"], r["key"]) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == arm
+                asked = {case(r) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == arm
                          and r["doc"].startswith("filler:") == filler}
-                ok = {(r["doc"], r["key"]) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == arm
+                ok = {case(r) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == arm
                       and r["ok"] and r["doc"].startswith("filler:") == filler}
                 split.append(f"{len(ok)}/{len(cases)}" if arm == "full" else
                              f"{len(ok & found)}/{len(asked & found)}" if asked else "-")

@@ -65,6 +65,11 @@ CANDIDATES: dict[str, dict] = {
     "paper": dict(keep="low", skip_layers=(0, 1), coverage=0.0, recent_share=_OLD),  # unbounded
     # the job's instructions probed before the document is read (knorm_gen.question), the recent eighth, no coverage
     "question": dict(keep="question", early_keep="question", skip_layers=(), coverage=0.0, recent_share=_OLD),
+    # the question rule with a quarter or half of each budget recent, and behind leverage in the first 30% of the
+    # full-attention layers (measured in 0.6.1, docs/results.md; not in knorm-tune's default arms)
+    "question_rec25": dict(keep="question", early_keep="question", skip_layers=(), coverage=0.0, recent_share=0.25),
+    "question_rec50": dict(keep="question", early_keep="question", skip_layers=(), coverage=0.0, recent_share=0.5),
+    "lev30_question": dict(keep="question", early_keep="leverage", skip_layers=(), coverage=0.0, recent_share=_OLD),
     "random": dict(keep="random", skip_layers=(), coverage=0.0, recent_share=_OLD),  # the control at equal bytes
 }
 """Candidate layouts, each a set of :class:`EvictionConfig` fields (the budget is
