@@ -80,28 +80,27 @@ def report(paths, first: str = "lev30_blend_cov25_rec50") -> str:
                    "| in filler | ppl vs full |")
         out.append("|---|---|---|---|---|---|---|")
         # a case is (document, key, mode): with --modes ctq,whole each key is asked twice
-        def case(r):
-            return r["doc"], r["key"], r.get("mode")
+        def cases(arm, ok=False):
+            return {(r["doc"], r["key"], r.get("mode")) for r in d["rows"]
+                    if r["task"] == "passkey" and r["arm"] == arm and (r["ok"] or not ok)}
 
-        found = {case(r) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == "full" and r["ok"]}
+        def in_filler(group, filler):
+            return {c for c in group if c[0].startswith("filler:") == filler}
+
+        found, every = cases("full", ok=True), cases("full")
         for arm, v in [(a, table[a]) for a in (*arms, "full")]:
             rec = "-" if v["recovered"] is None else f"{v['recovered']:.1%}"
             ppl = "-" if v["ppl_ratio"] is None else f"{v['ppl_ratio']:.3f}x"
+            asked, ok = cases(arm), cases(arm, ok=True)
             keys = (f"{v['full_keys']}/{v['keys_total']}" if arm == "full" else "-" if not v["keys_total"] else
-                    f"{len(found & {case(r) for r in d['rows'] if r['task'] == 'passkey' and r['arm'] == arm and r['ok']})}"
-                    f"/{len(found & {case(r) for r in d['rows'] if r['task'] == 'passkey' and r['arm'] == arm})}")
+                    f"{len(ok & found)}/{len(asked & found)}")
             wins = f"{v['wins_vs_random']}/{v['fidelity_docs']}" if arm not in ("full", "random") and v["fidelity_docs"] \
                 else "-"
             split = []
             for filler in (False, True):
-                cases = {case(r) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == "full"
-                         and r["doc"].startswith("filler:") == filler}
-                asked = {case(r) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == arm
-                         and r["doc"].startswith("filler:") == filler}
-                ok = {case(r) for r in d["rows"] if r["task"] == "passkey" and r["arm"] == arm
-                      and r["ok"] and r["doc"].startswith("filler:") == filler}
-                split.append(f"{len(ok)}/{len(cases)}" if arm == "full" else
-                             f"{len(ok & found)}/{len(asked & found)}" if asked else "-")
+                a, k = in_filler(asked, filler), in_filler(ok, filler)
+                split.append(f"{len(k)}/{len(in_filler(every, filler))}" if arm == "full" else
+                             f"{len(k & found)}/{len(a & found)}" if a else "-")
             out.append(f"| {arm} | {rec} | {wins} | {keys} | {split[0]} | {split[1]} | {ppl} |")
         out.append("")
     return "\n".join(out)

@@ -36,7 +36,7 @@ from .memory import cache_stats
 from .mlx_compat import full_attention_layers, record_attention
 from .prompts import as_tokenizer, context_spans, has_chat_template, split_question_prompts
 from .question import make_probe
-from .scores import ALL_EVICTABLE, PROBED
+from .scores import ALL_EVICTABLE
 
 _OLD = OLD_RECENT_SHARE  # the recent window every layout had before recent_share (budget // 8)
 CANDIDATES: dict[str, dict] = {
