@@ -115,7 +115,7 @@ class EvictionKVCache(_BaseCache):
                                                         held, anchor, spans)
         # Scored in full precision, stored (and attended) quantized when kv_bits is set.
         rank = block_ranks(self.keep, self.n_sink, keys, self.offset, anchor, spans,
-                           pinned=not evictable_from(self.spans, self.offset))
+                           pinned=self.keep in PROBED and not evictable_from(self.spans, self.offset))
         keys, values = self._store(keys, values)
         self.offset += n
         limit = self.limit
@@ -671,8 +671,9 @@ class BatchEvictionKVCache(_BaseCache):
         self.free = None
 
     def _all_pinned(self) -> bool:
-        """Whether every row pins every position it is fed from now on."""
-        return not any(evictable_from(s, seen) for s, seen in zip(self.spans, self.seen))
+        """Whether every row pins every position it is fed from now on (asked only for a
+        rule in PROBED, the one rule that needs to know)."""
+        return self.keep in PROBED and not any(evictable_from(s, seen) for s, seen in zip(self.spans, self.seen))
 
     def _decode(self, keys: mx.array, values: mx.array):
         counts = mx.array(self.counts, dtype=mx.int32)
