@@ -33,7 +33,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from knorm_gen import EvictionConfig, L2NormKVCache, cache_stats, make_eviction_cache, runtime_info
-from knorm_gen.config import early_layers
+from knorm_gen.config import PRESETS, early_layers
 from knorm_gen.mlx_compat import full_attention_layers
 from knorm_gen.scores import PROBED, SCORES
 
@@ -72,7 +72,8 @@ def make_arm(model, arm: str, budget: int):
         "blend": EvictionConfig(budget=budget, keep="blend", skip_layers=(), coverage=0.0),
         "skip30": EvictionConfig(budget=budget, keep="low", skip_layers=early_layers(len(model.layers), full), coverage=0.0),
         "paper": EvictionConfig(budget=budget, keep="low", skip_layers=(0, 1), coverage=0.0),
-        "l2norm_default": EvictionConfig(budget=budget),
+        # 0.5's and 0.6's default (--preset intrinsic): this script times caches fed without a probe
+        "l2norm_default": EvictionConfig(budget=budget, **PRESETS["intrinsic"]),
     }
     return make_eviction_cache(model, configs[arm])
 

@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 
 import knorm_gen  # noqa: F401  (BLAS preload first)
-from knorm_gen import EvictionConfig, answer_questions, load_model, make_eviction_cache
+from knorm_gen import EvictionConfig, answer_questions, load_model, make_eviction_cache, probe_caches
 from knorm_gen.cache import EvictionKVCache
 from knorm_gen.corpus import pydoc_sections
 from knorm_gen.engine import prefill
@@ -27,10 +27,12 @@ CODES = ("Bluefin", "Marigold", "Copperhead", "Nightjar", "Saltmarsh", "Tamarind
 def held_share(model, tok, text: str, budget: int) -> tuple[float, float]:
     """Mean and worst share, over layers and heads, of the positions before the document that are held."""
     system = SYSTEM.format(code="Bluefin")
-    prefix, _ = split_question_prompts(tok, text, [QUESTION], chat=True, system_prompt=system)
+    prefix, questions = split_question_prompts(tok, text, [QUESTION], chat=True, system_prompt=system)
     spans = context_spans(tok, text, prefix, chat=True, system_prompt=system)
     head = set(range(spans[0][0]))
-    caches = prefill(model, prefix, make_eviction_cache(model, EvictionConfig(budget=budget), spans))
+    caches = probe_caches(make_eviction_cache(model, EvictionConfig(budget=budget), spans), model, tok, prefix, spans,
+                          questions)  # the default (keep="question") is probed first, as the product does
+    caches = prefill(model, prefix, caches)
     shares = []
     for c in caches:
         if isinstance(c, EvictionKVCache):

@@ -37,7 +37,7 @@ import mlx.core as mx
 from mlx_lm.generate import batch_generate
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from knorm_gen import EvictionConfig, GenerationConfig, cache_stats, make_eviction_cache
+from knorm_gen import EvictionConfig, GenerationConfig, cache_stats, make_eviction_cache, probe_caches
 from knorm_gen.cache import copy_caches, pin_caches
 from knorm_gen.engine import prefill
 from knorm_gen.config import RowsConfig
@@ -150,11 +150,14 @@ def fidelity(model, tok, doc, budget: int, max_tokens: int) -> dict:
            "reference": tok.decode(ref)}
     out["full"] = _nll(model, full, question + ref, len(ref))
     spans = context_spans(tok, doc.text, context, chat=True)  # the template before the document pinned, as the product
-    ours = pin_caches(prefill(model, context, make_eviction_cache(model, EvictionConfig(budget=budget), spans)))
+    # the default (keep="question") probes the question first, as the product does (probe_caches)
+    ours = pin_caches(prefill(model, context, probe_caches(make_eviction_cache(model, EvictionConfig(budget=budget), spans),
+                                                           model, tok, context, spans, [question])))
     out["ours_compression"] = cache_stats(ours).compression_ratio
     out["ours"] = _nll(model, ours, question + ref, len(ref))
     q4 = EvictionConfig(budget=budget, kv_bits=4, kv_group_size=KV_GROUP)
-    ours_q4 = pin_caches(prefill(model, context, make_eviction_cache(model, q4, spans)))
+    ours_q4 = pin_caches(prefill(model, context, probe_caches(make_eviction_cache(model, q4, spans), model, tok, context,
+                                                              spans, [question])))
     out["ours_q4_compression"] = cache_stats(ours_q4).compression_ratio
     out["ours_q4"] = _nll(model, ours_q4, question + ref, len(ref))
     first = encode_prompt(tok, INSTRUCTION_FIRST + doc.text)  # mlx arms: instruction first, then the document

@@ -66,7 +66,7 @@ def merged(paths) -> list[dict]:
     return list(groups.values())
 
 
-def report(paths, first: str = "lev30_blend_cov25_rec50") -> str:
+def report(paths, first: str = "question_rec25") -> str:
     """One markdown table per (model, split): recovered share, paired wins against
     random, pass keys found of the full cache's (in documents, in filler), perplexity
     ratio to the full cache; ``first`` (the default's layout) leads."""

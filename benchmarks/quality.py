@@ -69,7 +69,7 @@ from knorm_gen import answer_questions
 from knorm_gen.cache import copy_caches, pin_caches
 from knorm_gen.engine import prefill
 from knorm_gen.tune import answer_nll, cut_repetition  # the tuner's fidelity, shared
-from knorm_gen.config import early_layers as default_skip_layers
+from knorm_gen.config import PRESETS, early_layers as default_skip_layers
 from knorm_gen.mlx_compat import full_attention_layers
 from knorm_gen.corpus import pydoc_sections, text_of_tokens
 from knorm_gen.generate import generate_with_eviction
@@ -107,7 +107,9 @@ class Arms:
         paper = dict(budget=budget, skip_layers=(0, 1), coverage=0.0)
         low = dict(budget=budget, keep="low", coverage=0.0)
         table = {  # every arm names its rule: the default's rule changed in 0.2
-            "default": EvictionConfig(budget=budget),
+            # 0.5's and 0.6's default (--preset intrinsic): these arms are fed without a probe, so since 0.7
+            # (the question rule, probed) the default is measured by choose_default.py and question_probe.py
+            "default": EvictionConfig(budget=budget, **PRESETS["intrinsic"]),
             "paper": EvictionConfig(**paper, keep="low"),
             "keep_high": EvictionConfig(**paper, recent=0, keep="high"),
             "random": EvictionConfig(**paper, recent=0, keep="random"),

@@ -5,7 +5,7 @@ from .runtime import preload_blas as _preload_blas
 
 _preload_blas()
 
-from .cache import BatchL2NormKVCache, L2NormKVCache, make_eviction_cache  # noqa: E402
+from .cache import BatchL2NormKVCache, L2NormKVCache, make_eviction_cache, probe_caches  # noqa: E402
 from .config import KEEP_MODES, EvictionConfig, GenerationConfig, ResolvedEviction  # noqa: E402
 from .generate import (  # noqa: E402
     answer_questions,
@@ -20,7 +20,7 @@ from .prompts import PromptTooLongError  # noqa: E402
 from .results import GenerationResult  # noqa: E402
 from .runtime import runtime_info  # noqa: E402
 
-__version__ = "0.6.1"
+__version__ = "0.7.0"
 
 __all__ = [
     "KEEP_MODES",
@@ -40,6 +40,7 @@ __all__ = [
     "kv_memory",
     "load_model",
     "make_eviction_cache",
+    "probe_caches",
     "runtime_info",
     "stream_batch_with_eviction",
     "stream_with_eviction",

@@ -37,6 +37,7 @@ from .config import EvictionConfig, ResolvedEviction, validate_eviction_args
 from . import quant
 from .mlx_compat import _BaseCache, create_attention_mask, is_full_attention, make_prompt_cache, register_cache_class
 from .quant import Stored
+from .question import make_probe
 from .scores import (ALL_EVICTABLE, PAD, PROBED, PROTECTED, RUNNING, Spans, block_ranks, capacity, check_spans,
                      cover_slots, evict_key, evictable_from, open_ended, pin_from, pinned_count, rank_positions, rescore,
                      running_reference, running_update, running_zeros, span_array)
@@ -50,7 +51,9 @@ UNBOUNDED = 1 << 40
 @register_cache_class  # load_prompt_cache rebuilds caches by class name from mlx_lm's cache module
 class EvictionKVCache(_BaseCache):
     """A KV cache holding at most ``budget`` evictable tokens per (batch row, KV
-    head), chosen by the rule ``keep`` (:data:`knorm_gen.scores.SCORES`).
+    head), chosen by the rule ``keep`` (:data:`knorm_gen.scores.SCORES`;
+    built by hand it defaults to the paper's ``"low"``, the one the class was
+    named for; :func:`make_eviction_cache` builds the config's, the question rule).
 
     Attend first, evict after: ``update_and_fetch`` returns every kept row plus
     the whole incoming block, then cuts the stored state back to its limit.
@@ -70,7 +73,7 @@ class EvictionKVCache(_BaseCache):
     """
 
     def __init__(self, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
-                 keep: str = EvictionConfig.keep, coverage: float = 0.0, spans: Spans = ALL_EVICTABLE,
+                 keep: str = "low", coverage: float = 0.0, spans: Spans = ALL_EVICTABLE,
                  kv_bits: Optional[int] = None, kv_group_size: int = EvictionConfig.kv_group_size):
         validate_eviction_args(budget, n_sink, recent, keep, coverage)
         self.budget, self.n_sink, self.recent, self.keep = budget, n_sink, recent, keep
@@ -420,7 +423,7 @@ class BatchEvictionKVCache(_BaseCache):
     per_row_mask = True  # rows differ in what they hold: see mlx_compat.own_layer_masks
 
     def __init__(self, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
-                 keep: str = EvictionConfig.keep, coverage: float = 0.0,
+                 keep: str = "low", coverage: float = 0.0,
                  batch_size: int = 0, spans: Optional[Sequence[Spans]] = None,
                  kv_bits: Optional[int] = None, kv_group_size: int = EvictionConfig.kv_group_size):
         validate_eviction_args(budget, n_sink, recent, keep, coverage)
@@ -830,6 +833,24 @@ def set_probe(caches: Sequence[Any], probe: Sequence[tuple[mx.array, mx.array]])
 def probed(caches: Sequence[Any]) -> bool:
     """Whether any layer of ``caches`` scores against a probe (``keep="question"``)."""
     return any(isinstance(c, EvictionKVCache) and c.keep in PROBED for c in caches)
+
+
+def probe_caches(caches: Sequence[Any], model: Any, tokenizer: Any, prompt: Sequence[int],
+                 spans: Spans = ALL_EVICTABLE, questions: Sequence[Sequence[int]] = ()) -> list:
+    """Probe fresh ``caches`` for the token ids ``prompt`` before it is prefilled, when
+    a layer's rule needs it (``keep="question"``, the default): the model reads the
+    prompt's text after the document ``spans`` (all of it evictable: the prompt's
+    last :data:`~knorm_gen.question.PROMPT_TAIL` tokens) and ``questions`` (token ids
+    asked after it); returns the list. Any other layout is returned as it is, so a
+    plain mlx_lm loop can call it for every layout::
+
+        caches = probe_caches(make_eviction_cache(model, config), model, tokenizer, ids)
+        mlx_lm.generate(model, tokenizer, ids, prompt_cache=caches)
+    """
+    caches = list(caches)
+    if probed(caches):
+        set_probe(caches, make_probe(model, tokenizer, prompt, spans, questions))
+    return caches
 
 
 def copy_caches(caches: Sequence[Any]) -> list:

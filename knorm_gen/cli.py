@@ -336,10 +336,10 @@ preset_option = click.option(
     "--preset", type=click.Choice(tuple(PRESETS)), default=None,
     help="A named eviction layout; the eviction options given beside it override it. paper: keep-low, layers 0-1 "
          "uncompressed (the paper); retrieval: keep-low, the first 30% of the full-attention layers uncompressed "
-         "(memory grows with the input); summarize: KeyDiff in every layer (0.2's default); question: the question "
-         "rule in every layer, keeping the keys the instructions after the document would attend to (probed "
-         "first; best with questions asked apart from the document); auto: the layout knorm-tune saved for this "
-         "model (the default without one).")
+         "(memory grows with the input); summarize: KeyDiff in every layer (0.2's default); question: the default's "
+         "question rule with the recent eighth (0.6); intrinsic: the keys alone, no probe (0.6's default: leverage "
+         "in the first 30% of the full-attention layers, the blend in the rest, coverage 0.25, the recent half); "
+         "auto: the layout knorm-tune saved for this model (the default without one).")
 
 
 @click.command(cls=_BatchCommand, context_settings=HELP)
@@ -559,16 +559,16 @@ def stats_line(result: Any) -> str:
               help="Compression: a document's tokens per kept token.")
 @click.option("--job", "job_kind", type=click.Choice(("summarize", "retrieve", "both")), default="both",
               show_default=True, help="What the layout is chosen for.")
-@click.option("--arms", default=None, help="Candidates, comma-separated (default: the default layout, the blend "
-              "in every layer, the other bounded rules with the default's coverage and recent half, keep-low alone, "
-              "the question rule (probes the job's instructions first) and random eviction). All: "
+@click.option("--arms", default=None, help="Candidates, comma-separated (default: the default layout (the question "
+              "rule, the recent quarter), --preset intrinsic, the blend in every layer, the other bounded rules with "
+              "its coverage and recent half, keep-low alone, --preset question and random eviction). All: "
               + ",".join(("keydiff", "low", "blend", "low_cov25", "low_cov50", "keydiff_cov25", "keydiff_cov50",
                           "blend_cov25", "blend_cov50", "blend_cov75", "leverage", "leverage_cov25",
                           "lev30_blend_cov25_rec50", "blend_cov25_rec50", "keydiff_cov25_rec50", "low_cov25_rec50",
                           "leverage_cov25_rec50", "retrieval", "retrieval_cov25", "paper", "question", "question_rec25",
                           "question_rec50", "lev30_question", "mix", "random")))
 @click.option("--mix", "with_mix", is_flag=True, help="Also measure a per-layer mix: each layer takes the rule "
-              "(blend, keydiff, low or leverage, with the default's coverage and recent half) with the least "
+              "(blend, keydiff, low or leverage, with --preset intrinsic's coverage and recent half) with the least "
               "attention error on held queries "
               "(one more candidate: one more prefill per case).")
 @click.option("--docs-limit", type=click.IntRange(min=1), default=4, show_default=True,

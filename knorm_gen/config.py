@@ -46,17 +46,20 @@ def early_layers(n_layers: int, full_layers: Optional[Sequence[int]] = None) -> 
     return tuple(layers[: min(len(layers), max(2, round(EARLY_FRACTION * len(layers))))])
 
 
-RECENT_SHARE = 0.5
-"""The default ``recent_share``: half of each budget holds the most recent tokens.
-Chosen on the tuning split (benchmarks/choose_default.py, docs/results.md): the small
-models measured summarize mostly from the end of a document, so random eviction
-(whose survivors lean recent) kept more of one than the eighth window did."""
+RECENT_SHARE = 0.25
+"""The default ``recent_share`` (0.7): a quarter of each budget holds the most recent
+tokens, beside the question rule. Of the three splits measured for that rule
+(benchmarks/choose_default.py, docs/results.md), the quarter kept random eviction's
+summary fidelity on both models held out, where the eighth fell short on Gemma 3, and
+it found 0.91x of the full cache's keys on SmolLM2 held out (the half: fewer keys on
+the tuning split). The intrinsic layouts keep the half (``--preset intrinsic``)."""
 EARLY_KEEP = "leverage"
-"""The rule of the early layers (:func:`early_layers`) under the default ``keep="blend"``
-(``early_keep="auto"``). Chosen on the tuning split (benchmarks/choose_default.py,
-docs/results.md): on Gemma 3 the blend lost the pass keys placed early in a filler
-because its first global layer (5) evicted them; leverage there kept all ten, and the
-blend in the later layers kept more of a summary than leverage everywhere."""
+"""The rule of the early layers (:func:`early_layers`) under ``keep="blend"``
+(``early_keep="auto"``; ``--preset intrinsic``, 0.5's and 0.6's default). Chosen on the
+tuning split (benchmarks/choose_default.py, docs/results.md): on Gemma 3 the blend lost
+the pass keys placed early in a filler because its first global layer (5) evicted them;
+leverage there kept all ten, and the blend in the later layers kept more of a summary
+than leverage everywhere."""
 OLD_RECENT_SHARE = 0.125
 """The recent window of every layout before ``recent_share`` (``budget // 8``): the
 presets keep it, and a saved tuning or record without the field means it."""
@@ -285,17 +288,18 @@ def _setting(default: Any, help: str, *, parse=None, metavar: Optional[str] = No
 class EvictionConfig:
     """How every compressed layer evicts, as the user states it. ``budget=None``
     means no eviction; ``recent=None`` means :func:`auto_recent` (``recent_share`` of
-    each layer's budget). The default, ``keep="blend"`` (KeyDiff's cosine plus the
-    paper's log norm) with leverage in the first 30% of the full-attention layers
-    (``early_keep="auto"``, :data:`EARLY_KEEP`), half of each budget as the most recent tokens
-    (``recent_share=0.5``), a quarter spread evenly over the document
-    (``coverage=0.25``) and ``skip_layers=()``, bounds every full-attention layer. It was
-    chosen on a tuning split and checked on documents and fillers held out from it
-    (benchmarks/choose_default.py; docs/results.md): the paper's rule alone lost the pass
-    keys on Gemma 3, KeyDiff alone on SmolLM2's unseen fillers; the blend kept them on
-    both, except Gemma 3's keys early in a filler, which leverage in the early layers
-    kept; coverage and the recent half keep what a summary needs (the models measured
-    summarize mostly from a document's end). ``skip_layers`` are left uncompressed (their
+    each layer's budget). The default (0.7), ``keep="question"`` in every layer (the
+    document keys the job's instructions would attend to, probed before the document is
+    read: :mod:`knorm_gen.question`), a quarter of each budget as the most recent tokens
+    (``recent_share=0.25``), no coverage and ``skip_layers=()``, bounds every
+    full-attention layer. It was chosen on a tuning split and checked on documents and
+    fillers held out from it (benchmarks/choose_default.py; docs/results.md): every
+    intrinsic layout (the key's norm, KeyDiff, the blend, leverage, coverage) lost the
+    pass keys planted inside real prose; this one found 0.91x of the full cache's on
+    SmolLM2 held out and 0.82x on Gemma 3, at random eviction's summary fidelity or
+    above. A cache that is never probed (a plain mlx_lm loop without
+    :func:`~knorm_gen.cache.probe_caches`) ranks by the key norm and warns.
+    ``skip_layers`` are left uncompressed (their
     memory grows with the input); ``None`` means :func:`early_layers`: the first 30%
     (at least two) of the full-attention layers (``--preset retrieval``).
     ``layer_budgets`` (``{layer: budget}``) overrides the budget of single layers.
@@ -312,15 +316,15 @@ class EvictionConfig:
     n_sink: int = _setting(4, "Leading tokens never evicted.")
     recent: Optional[int] = _setting(None, "Most recent tokens never evicted (overrides --recent-share).",
                                      default_text="--recent-share x budget")
-    keep: str = _setting("blend", "low = keep low key norms (the paper's L2Norm rule); keydiff = keep keys least like "
-                         "the head's mean; blend = both (the default, with leverage in the early layers: "
-                         "--early-keep); leverage = keep keys unlike the rest by statistical leverage; question = keep the keys the "
-                         "instructions after the document would attend to (probed first; --preset question); high = "
-                         "ablation; random/recent = baselines.",
+    keep: str = _setting("question", "question = keep the document keys the instructions after the document would "
+                         "attend to (probed first; the default); low = keep low key norms (the paper's L2Norm rule); "
+                         "keydiff = keep keys least like the head's mean; blend = both (--preset intrinsic, with "
+                         "leverage in the early layers: --early-keep); leverage = keep keys unlike the rest by "
+                         "statistical leverage; high = ablation; random/recent = baselines.",
                          choices=KEEP_MODES)
     early_keep: str = _setting(
         "auto", "Rule of the first 30% of the full-attention layers (at least two): auto = leverage under "
-        "--keep blend (the default), else the --keep rule; or a rule name. --layer-keep overrides it per layer.",
+        "--keep blend (--preset intrinsic), else the --keep rule (the default: question); or a rule name. --layer-keep overrides it per layer.",
         choices=("auto", *KEEP_MODES))
     skip_layers: Optional[tuple[int, ...]] = _setting(
         (), "Layers left uncompressed (their memory grows with the input), e.g. '0,1' or '0-8'; 'none' "
@@ -331,7 +335,7 @@ class EvictionConfig:
         None, "Per-layer budgets overriding --budget, e.g. '2-8:1024,20:256'.", parse=parse_layer_budgets,
         metavar="LAYERS:INT,...")
     coverage: float = _setting(
-        0.25, "Share of each layer's budget kept evenly spread over the positions seen (0 = none); the rest goes "
+        0.0, "Share of each layer's budget kept evenly spread over the positions seen (0 = none); the rest goes "
         "by the rule. Keeps what a summary needs beside what the rule keeps.", metavar="SHARE")
     recent_share: float = _setting(
         RECENT_SHARE, "Share of each layer's budget kept as its most recent tokens when --recent is not given.",
@@ -681,6 +685,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                       early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None),
     "question": dict(recent_share=OLD_RECENT_SHARE, keep="question", early_keep="auto", skip_layers=(),
                      early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None),
+    "intrinsic": dict(recent_share=0.5, keep="blend", early_keep="auto", skip_layers=(), early_factor=None,
+                      layer_budgets=None, coverage=0.25, layer_keep=None),
     "auto": {},  # the model's saved tuning: resolved once the model is loaded (knorm_gen.tune.auto_config)
 }
 LAYOUT_FIELDS = ("keep", "early_keep", "coverage", "recent_share", "skip_layers", "layer_budgets", "early_factor",
@@ -695,7 +701,13 @@ the best at pass keys on the embedded model, memory grows with the input).
 ``question``: the ``question`` rule in every layer (the keys the job's instructions
 would attend to, probed before the document is read: :mod:`knorm_gen.question`),
 the recent eighth, no coverage, every layer bounded; best with questions asked
-apart from the document (a prompt is probed by its document's end).
+apart from the document (a prompt is probed by its document's end). The default
+is the same rule with the recent quarter.
+``intrinsic``: the default of 0.5 and 0.6, which scores the keys alone (no probe):
+leverage in the first 30% of the full-attention layers, the blend in the rest, a
+quarter of each budget spread evenly, the recent half, every layer bounded; it kept
+more of a summary than the default on Gemma 3 held out and lost every key planted
+in real prose.
 ``auto``: the layout ``knorm-tune`` saved for the model (the default without one)."""
 
 

@@ -28,12 +28,11 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .admission import KVLimit, KVMemoryExceeded
-from .cache import copy_caches, make_eviction_cache, pin_caches, probed, set_probe
+from .cache import copy_caches, make_eviction_cache, pin_caches, probe_caches, probed
 from .config import DEFAULT_PREFILL_STEP, GenerationConfig, ResolvedEviction, settings_dict
 from .mlx_compat import generator_step, own_layer_masks
 from .prompts import as_tokenizer
-from .question import make_probe
-from .scores import ALL_EVICTABLE, Spans
+from .scores import ALL_EVICTABLE, PROBED, Spans, pin_from
 from .results import GenerationResult
 
 DEFAULT_BATCH_SIZE = 8
@@ -146,10 +145,8 @@ class BatchEngine:
                       questions: Sequence[Sequence[int]] = ()) -> list:
         """Fresh caches for a prompt ``ids``; a layer whose rule scores against a probe
         (``keep="question"``) gets one of the text after the document and ``questions``."""
-        caches = make_eviction_cache(self.model, self.eviction, spans)
-        if probed(caches):
-            set_probe(caches, make_probe(self.model, self.tok, ids, spans, questions))
-        return caches
+        return probe_caches(make_eviction_cache(self.model, self.eviction, spans), self.model, self.tok, ids, spans,
+                            questions)
 
     def prefill_context(self, ids: Sequence[int], spans: Spans = ALL_EVICTABLE,
                         questions: Sequence[Sequence[int]] = ()) -> tuple[list, float]:
@@ -263,6 +260,10 @@ class Request:
     def __post_init__(self):
         if self.ids is None and self.spans == ALL_EVICTABLE:  # the questions and answers are never the document
             self.spans = ((0, len(self.context_ids)),)
+        elif self.ids and any(r in PROBED for r in (self.eviction.keep, *(self.eviction.layer_keep or {}).values())):
+            # A probed prompt is prefilled alone and decoded pinned (a batch cache holds no probe), so its last
+            # token and answer are pinned alone too, and admission and the ceiling count them.
+            self.spans = pin_from(self.spans, len(self.ids) - 1)
 
     @property
     def sequences(self) -> int:

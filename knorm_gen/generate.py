@@ -11,11 +11,10 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
 
-from .cache import make_eviction_cache, probed, set_probe
+from .cache import make_eviction_cache, probe_caches
 from .config import LAYOUT_FIELDS, EvictionConfig, GenerationConfig, ResolvedEviction, make_configs, settings_dict
 from .engine import DEFAULT_BATCH_SIZE, Request, make_row_processors, make_row_sampler, run_jobs
 from .prompts import Prompt, as_tokenizer, has_chat_template, check_length, context_spans, encode_with_spans, question_prompts
-from .question import make_probe
 from .results import GenerationResult
 
 __all__ = [
@@ -116,9 +115,9 @@ def stream_request(model: Any, tokenizer: Any, request: Request) -> Iterator[Uni
         mx.random.seed(generation.seed)
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    caches = make_eviction_cache(model, request.eviction, request.spans)
-    if probed(caches):  # keep="question": probe the instructions after the document first
-        set_probe(caches, make_probe(model, as_tokenizer(tokenizer), request.ids, request.spans))
+    # keep="question" (the default): the instructions after the document are probed first
+    caches = probe_caches(make_eviction_cache(model, request.eviction, request.spans), model,
+                          as_tokenizer(tokenizer), request.ids, request.spans)
     yield from _stream_ids(model, as_tokenizer(tokenizer), request.ids, caches, generation=generation,
                            config=settings_dict(request.eviction, generation), prompt_tokens=len(request.ids),
                            probe_s=time.perf_counter() - tic)

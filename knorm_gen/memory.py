@@ -156,7 +156,7 @@ class KVMemory:
 def kv_memory(model: nn.Module, config: Union[EvictionConfig, ResolvedEviction, None] = None) -> KVMemory:
     """The KV memory ``config`` implies for ``model`` (one token through fresh caches
     gives each layer's bytes per position in the dtype the model really caches)."""
-    caches = make_eviction_cache(model, config)
+    caches = make_eviction_cache(model, config, ())  # the token pinned: nothing to score, no probe needed
     model(mx.array([[0]]), cache=caches)
     mx.eval([c.state for c in caches])
     bits = getattr(config, "kv_bits", None)

@@ -37,6 +37,7 @@ so held keys are never re-scored.
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
@@ -329,11 +330,15 @@ def pack_ranks(score: mx.array, positions: mx.array, n_sink: int, spans: Optiona
     return rank
 
 
-def refuse_unprobed(keys: mx.array, positions: mx.array, rank: mx.array) -> None:
-    """Raise, naming the fix, when a probed rule without its probe ranks an evictable
-    position (it waits on the device for the answer)."""
-    if mx.any(rank > PROTECTED + _POS_MASK).item():
-        score_question(keys, positions, None)  # raises, naming the fix
+UNPROBED_FALLBACK = "low"
+"""The rule a ``keep="question"`` layer ranks by when it has no probe (a cache made
+with :func:`knorm_gen.make_eviction_cache` and driven by a plain mlx_lm loop): the
+paper's key norm, the one intrinsic rule with no running state to have missed."""
+
+UNPROBED_WARNING = ("keep='question' has no probe of the job's instructions in this cache, so it keeps the "
+                    "lowest-norm keys (keep='low') instead: probe it first with knorm_gen.probe_caches(caches, "
+                    "model, tokenizer, prompt) (generate_with_eviction, answer_questions and knorm-batch do), or "
+                    "choose a rule that needs no probe (--preset intrinsic)")
 
 
 def block_ranks(keep: str, n_sink: int, keys: mx.array, start: mx.array | int,
@@ -342,20 +347,19 @@ def block_ranks(keep: str, n_sink: int, keys: mx.array, start: mx.array | int,
     """Ranks of a block of keys ``(B, H, N, D)`` whose first token sits at absolute
     position ``start`` (an int, or one per batch row); ascending = kept first.
     ``anchor`` (:func:`running_reference`) is needed by the rules in :data:`RUNNING`,
-    the probe by those in :data:`PROBED` (without one, a block whose positions are all
-    pinned is ranked, any other refused); positions outside ``spans`` are pinned.
+    the probe by those in :data:`PROBED` (without one, they rank by
+    :data:`UNPROBED_FALLBACK` and warn once); positions outside ``spans`` are pinned.
     ``pinned``: the caller knows every position of the block is pinned
-    (:func:`evictable_from`), so a rule without its probe skips the check, which
-    would wait on the device at every decode step of every layer."""
+    (:func:`evictable_from`): no score is needed, and no warning is due."""
     if keep in RUNNING and anchor is None:
         raise ValueError(f"keep={keep!r} scores against its running state: pass it (running_reference)")
     first = mx.array(start, dtype=mx.int64).reshape(-1, 1, 1)
     positions = first + mx.arange(keys.shape[2], dtype=mx.int64)[None, None, :]
     if keep in PROBED and anchor is None:  # no probe (dropped when pinned): fine while every position is pinned
-        rank = pack_ranks(mx.zeros(keys.shape[:3], mx.float32), positions, n_sink, spans)
-        if not pinned:
-            refuse_unprobed(keys, positions, rank)
-        return rank
+        if pinned:
+            return pack_ranks(mx.zeros(keys.shape[:3], mx.float32), positions, n_sink, spans)
+        warnings.warn(UNPROBED_WARNING, stacklevel=2)
+        keep = UNPROBED_FALLBACK
     return pack_ranks(SCORES[keep](keys, positions, anchor), positions, n_sink, spans)
 
 

@@ -29,13 +29,12 @@ import numpy as np
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 
-from .cache import EvictionKVCache, copy_caches, make_eviction_cache, pin_caches, probed, set_probe
+from .cache import EvictionKVCache, copy_caches, make_eviction_cache, pin_caches, probe_caches
 from .config import OLD_RECENT_SHARE, EvictionConfig
 from .engine import prefill
 from .memory import cache_stats
 from .mlx_compat import full_attention_layers, record_attention
 from .prompts import as_tokenizer, context_spans, has_chat_template, split_question_prompts
-from .question import make_probe
 from .scores import ALL_EVICTABLE
 
 _OLD = OLD_RECENT_SHARE  # the recent window every layout had before recent_share (budget // 8)
@@ -54,7 +53,8 @@ CANDIDATES: dict[str, dict] = {
     "leverage_cov25": dict(keep="leverage", skip_layers=(), coverage=0.25, recent_share=_OLD),
     # half of each budget as the most recent tokens (recent_share=0.5), a quarter spread evenly, the rest by the rule
     "blend_cov25_rec50": dict(keep="blend", early_keep="blend", skip_layers=(), coverage=0.25, recent_share=0.5),
-    # the default: leverage in the first 30% of the full-attention layers, the blend in the rest
+    # 0.5's and 0.6's default (--preset intrinsic): leverage in the first 30% of the full-attention layers, the blend
+    # in the rest
     "lev30_blend_cov25_rec50": dict(keep="blend", early_keep="leverage", skip_layers=(), coverage=0.25,
                                     recent_share=0.5),
     "keydiff_cov25_rec50": dict(keep="keydiff", skip_layers=(), coverage=0.25, recent_share=0.5),
@@ -65,8 +65,8 @@ CANDIDATES: dict[str, dict] = {
     "paper": dict(keep="low", skip_layers=(0, 1), coverage=0.0, recent_share=_OLD),  # unbounded
     # the job's instructions probed before the document is read (knorm_gen.question), the recent eighth, no coverage
     "question": dict(keep="question", early_keep="question", skip_layers=(), coverage=0.0, recent_share=_OLD),
-    # the question rule with a quarter or half of each budget recent, and behind leverage in the first 30% of the
-    # full-attention layers (measured in 0.6.1, docs/results.md; not in knorm-tune's default arms)
+    # the question rule with a quarter (the default since 0.7) or half of each budget recent, and behind leverage in
+    # the first 30% of the full-attention layers (measured in 0.6.1, docs/results.md)
     "question_rec25": dict(keep="question", early_keep="question", skip_layers=(), coverage=0.0, recent_share=0.25),
     "question_rec50": dict(keep="question", early_keep="question", skip_layers=(), coverage=0.0, recent_share=0.5),
     "lev30_question": dict(keep="question", early_keep="leverage", skip_layers=(), coverage=0.0, recent_share=_OLD),
@@ -179,8 +179,8 @@ class Tuner:
         """Fresh caches for ``arm``; a question-aware arm (``keep="question"``) is probed
         with the prompt ``ids`` and the ``questions`` asked after it, as the product probes."""
         caches = make_eviction_cache(self.model, self.config(arm, None if arm == "full" else budget), spans)
-        if ids is not None and probed(caches):
-            set_probe(caches, make_probe(self.model, self.tok, ids, spans, questions))
+        if ids is not None:
+            caches = probe_caches(caches, self.model, self.tok, ids, spans, questions)
         return caches
 
     def _seed(self, name: str) -> None:
@@ -416,8 +416,9 @@ MIX = "mix"
 its own attention error; measured beside the whole-model layouts, chosen only if it
 beats them."""
 MIX_RULES = ("blend_cov25_rec50", "keydiff_cov25_rec50", "low_cov25_rec50", "leverage_cov25_rec50")
-"""The layouts a mix takes each layer's rule from: the bounded rules with the default's
-coverage share and recent window, so the mix differs from them in the rule alone."""
+"""The layouts a mix takes each layer's rule from: the bounded intrinsic rules with
+``--preset intrinsic``'s coverage share and recent half, so the mix differs from them in
+the rule alone."""
 
 
 def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
@@ -474,13 +475,14 @@ def layer_mix(errors: dict[str, dict[int, float]], arms: dict[str, dict]) -> Opt
 
 # ---- choosing a layout for one model, and remembering it ------------------------------
 
-TUNE_ARMS = ("lev30_blend_cov25_rec50", "blend_cov25_rec50", "keydiff_cov25_rec50", "low", "low_cov25_rec50",
-             "leverage_cov25_rec50", "question", "random")
+TUNE_ARMS = ("question_rec25", "lev30_blend_cov25_rec50", "blend_cov25_rec50", "keydiff_cov25_rec50", "low",
+             "low_cov25_rec50", "leverage_cov25_rec50", "question", "random")
 """What ``knorm-tune`` measures by default (``--arms`` for more): the default layout
-(``lev30_blend_cov25_rec50``: leverage in the first 30% of the full-attention layers,
-the blend in the rest), the blend in every layer (0.4's default), the other bounded
-rules with the default's coverage share and recent half, the paper's rule alone, and
-random eviction as the control. Each is here for a measured reason (docs/results.md):
+(``question_rec25``: the question rule, the recent quarter), 0.6's default
+(``lev30_blend_cov25_rec50``, ``--preset intrinsic``: leverage in the first 30% of the
+full-attention layers, the blend in the rest), the blend in every layer (0.4's default),
+the other bounded rules with that coverage share and recent half, the paper's rule
+alone, ``--preset question`` (the recent eighth), and random eviction as the control. Each is here for a measured reason (docs/results.md):
 the recent half kept more of a document than the eighth window on both models (the
 small models measured summarize mostly from a document's end); on SmolLM2 the blend
 in every layer kept 74% of the tuning documents where the default kept 66%, on
@@ -493,7 +495,7 @@ prose; on Gemma 3's held-out documents it kept less of a summary than random evi
 to ``--arms``. The per-layer mix (``knorm-tune --mix``) is left out too: on SmolLM2
 it kept 59% against the default's 58% on the tuning documents and made the tuning 18
 minutes instead of under 15 (docs/results.md)."""
-QUICK_ARMS = ("lev30_blend_cov25_rec50", "blend_cov25_rec50", "low_cov25", "random")
+QUICK_ARMS = ("question_rec25", "lev30_blend_cov25_rec50", "low_cov25", "random")
 JOBS = ("summarize", "retrieve", "both")
 KEYS_TARGET = 0.9  # at least this share of the full cache's pass keys
 FIDELITY_SLACK = 0.02  # and summary fidelity no more than this below random eviction's

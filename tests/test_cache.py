@@ -92,7 +92,7 @@ def kept_positions(cache):
 
 def test_budget_above_tokens_matches_plain_kvcache(tiny_model):
     tokens = random_tokens(40, seed=1)
-    ours = make_eviction_cache(tiny_model, EvictionConfig(budget=64, skip_layers=()))
+    ours = make_eviction_cache(tiny_model, EvictionConfig(keep="low", budget=64, skip_layers=()))
     ref = [KVCache() for _ in tiny_model.layers]
     splits = [7, 16, 1, 1, 9, 1, 5]
     la = feed(tiny_model, ours, tokens, splits)
@@ -250,7 +250,7 @@ class FrozenRowsCache:
 
 def test_block_over_budget_attends_to_kept_rows_and_whole_block(tiny_model):
     tokens = random_tokens(60, seed=11, repeat=False)
-    ours = make_eviction_cache(tiny_model, EvictionConfig(budget=12, n_sink=2, skip_layers=()))
+    ours = make_eviction_cache(tiny_model, EvictionConfig(keep="low", budget=12, n_sink=2, skip_layers=()))
     feed(tiny_model, ours, tokens[:30], [10, 20])
     for c in ours:
         assert c.tokens_kept == 12
@@ -309,12 +309,12 @@ def test_save_load_round_trip_continues_identically(tmp_path, tiny_model, keep):
 def test_make_eviction_cache_keeps_sliding_window_layers_and_skips():
     types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
     model = tiny_llama(layers=4, layer_types=types, sliding_window=8)
-    caches = make_eviction_cache(model, EvictionConfig(budget=16, skip_layers=(2,)))
+    caches = make_eviction_cache(model, EvictionConfig(keep="low", budget=16, skip_layers=(2,)))
     assert isinstance(caches[0], L2NormKVCache)
     assert isinstance(caches[1], RotatingKVCache) and caches[1].max_size == 8
     assert type(caches[2]) is KVCache
     assert isinstance(caches[3], RotatingKVCache)
-    again = make_eviction_cache(model, EvictionConfig(budget=16, skip_layers=(2,)))
+    again = make_eviction_cache(model, EvictionConfig(keep="low", budget=16, skip_layers=(2,)))
     assert all(a is not b for a, b in zip(caches, again))
     # the mixed model runs through the eviction cache
     tokens = random_tokens(40, seed=4)
@@ -347,7 +347,7 @@ def test_skip_layer_out_of_range(tiny_model):
 
 def test_stats_match_independent_byte_count(tiny_model):
     tokens = random_tokens(50, seed=6)
-    caches = make_eviction_cache(tiny_model, EvictionConfig(budget=16, skip_layers=(0,)))
+    caches = make_eviction_cache(tiny_model, EvictionConfig(keep="low", budget=16, skip_layers=(0,)))
     feed(tiny_model, caches, tokens, [32, 1, 1, 16])
     b, h, d, itemsize = 1, 2, 16, 4
     row = b * h * d * 2 * itemsize
@@ -363,7 +363,7 @@ def test_stats_match_independent_byte_count(tiny_model):
 
 def test_copy_is_independent_and_pin_stops_eviction(tiny_model):
     tokens = random_tokens(30, seed=8)
-    caches = make_eviction_cache(tiny_model, EvictionConfig(budget=8, skip_layers=()))
+    caches = make_eviction_cache(tiny_model, EvictionConfig(keep="low", budget=8, skip_layers=()))
     feed(tiny_model, caches, tokens[:20], [19, 1])
     copies = [c.copy() for c in caches]
     before = [kept_positions(c) for c in caches]
@@ -390,10 +390,10 @@ def test_trim_only_before_eviction(tiny_model):
 
 
 def test_layer_budgets_override_single_layers(tiny_model):
-    config = EvictionConfig(budget=8, skip_layers=(0,), layer_budgets={-1: 20})
+    config = EvictionConfig(budget=8, keep="low", skip_layers=(0,), layer_budgets={-1: 20})
     caches = make_eviction_cache(tiny_model, config)
     assert [getattr(c, "budget", None) for c in caches] == [None, 8, 20]
-    assert caches[2].recent == 20 // 2 and caches[1].recent == 8 - 4 - 1  # half, leaving the rule a slot
+    assert caches[2].recent == 20 // 4 and caches[1].recent == 8 // 4  # the default quarter of each layer's own
     feed(tiny_model, caches, random_tokens(40, seed=9), [30, 1, 9])
     assert [c.offset for c in caches] == [40, 40, 40]
     assert (caches[1].tokens_kept, caches[2].tokens_kept) == (8, 20)
@@ -417,8 +417,8 @@ def test_layer_keep_sets_the_rule_of_single_layers(tiny_model, tmp_path):
     assert config.for_model(tiny_model).to_dict()["layer_keep"] == {"0": "low", "2": "leverage"}
     assert "layer_keep" not in EvictionConfig(budget=8).to_dict()  # older records keep their fingerprints
     # a saved tuning's table (string keys) reads back as the same layout
-    assert EvictionConfig(budget=8, layer_keep={"0": "low", "2": "leverage"}).for_model(tiny_model).layer_keep == \
-        {0: "low", 1: "leverage", 2: "leverage"}  # layer 1: the default's early rule (layers 0-1 of 3)
+    assert EvictionConfig(budget=8, keep="blend", layer_keep={"0": "low", "2": "leverage"}).for_model(
+        tiny_model).layer_keep == {0: "low", 1: "leverage", 2: "leverage"}  # layer 1: the blend's early rule (0-1 of 3)
     feed(tiny_model, caches, random_tokens(40, seed=9), [30, 1, 9])
     save_prompt_cache(str(tmp_path / "c.safetensors"), caches)
     assert [c.keep for c in load_prompt_cache(str(tmp_path / "c.safetensors"))] == ["low", "blend", "leverage"]
@@ -430,19 +430,23 @@ def test_layer_keep_sets_the_rule_of_single_layers(tiny_model, tmp_path):
         make_eviction_cache(tiny_model, EvictionConfig(budget=8, layer_keep={5: "low"}))
 
 
-def test_the_default_bounds_every_layer_with_blend_and_coverage_and_leverage_in_the_first_30_percent():
+def test_the_default_bounds_every_layer_with_the_question_rule_and_the_blend_pairs_with_early_leverage():
     from knorm_gen.memory import kv_memory
 
     config = EvictionConfig(budget=8)
-    assert (config.keep, config.early_keep, config.coverage, config.skip_layers) == ("blend", "auto", 0.25, ())
+    assert (config.keep, config.early_keep, config.coverage, config.skip_layers) == ("question", "auto", 0.0, ())
     model = tiny_llama(layers=10)
     caches = make_eviction_cache(model, config)
-    assert all(isinstance(c, L2NormKVCache) and c.coverage == 0.25 for c in caches)
-    # 30% of 10 layers, counted by hand: layers 0-2 take leverage, the other seven the blend
-    assert [c.keep for c in caches] == ["leverage"] * 3 + ["blend"] * 7
+    # every layer the question rule, no coverage, a quarter of the budget recent: int(0.25 * 8)
+    assert all(isinstance(c, L2NormKVCache) and c.keep == "question" and c.coverage == 0.0 and c.recent == 2
+               for c in caches)
+    # --preset intrinsic (0.6's default): 30% of 10 layers, counted by hand, take leverage, the other seven the blend
+    intrinsic = make_eviction_cache(model, EvictionConfig(budget=8, keep="blend", coverage=0.25))
+    assert [c.keep for c in intrinsic] == ["leverage"] * 3 + ["blend"] * 7 and intrinsic[0].coverage == 0.25
     # another rule given: that rule everywhere ("auto" pairs leverage with the blend alone)
     assert [c.keep for c in make_eviction_cache(model, EvictionConfig(budget=8, keep="low"))] == ["low"] * 10
-    assert [c.keep for c in make_eviction_cache(model, EvictionConfig(budget=8, early_keep="blend"))] == ["blend"] * 10
+    assert [c.keep for c in make_eviction_cache(model, EvictionConfig(budget=8, keep="blend", early_keep="blend"))] \
+        == ["blend"] * 10
     assert [c.keep for c in make_eviction_cache(model, EvictionConfig(budget=8, keep="random", early_keep="low"))] \
         == ["low"] * 3 + ["random"] * 7
     # a ceiling: 10 layers of 8 positions (an independent count from the shapes)
@@ -460,7 +464,7 @@ def test_skip_layers_none_is_the_first_30_percent(tiny_model):
     config = EvictionConfig(budget=8, skip_layers=None, keep="low")
     assert config.skip_layers is None and config.to_dict()["skip_layers"] is None
     assert "early_factor" not in config.to_dict()  # records written before the field keep their fingerprints
-    assert config.resolved(30).skip_layers == tuple(range(9)) and config.resolved(30).recent == 3  # 8 - 4 sinks - 1
+    assert config.resolved(30).skip_layers == tuple(range(9)) and config.resolved(30).recent == 2  # a quarter of 8
     model = tiny_llama(layers=10)
     caches = make_eviction_cache(model, config)
     assert [type(c) is KVCache for c in caches] == [True] * 3 + [False] * 7
@@ -476,7 +480,7 @@ def test_skip_layers_none_is_the_first_30_percent(tiny_model):
 def test_early_factor_bounds_every_layer():
     from knorm_gen.memory import kv_memory
 
-    config = EvictionConfig(budget=8, early_factor=8)
+    config = EvictionConfig(keep="low", budget=8, early_factor=8)
     resolved = config.resolved(30)
     assert resolved.skip_layers == () and resolved.layer_budgets == {i: 64 for i in range(9)}
     model = tiny_llama(layers=10)
@@ -488,7 +492,7 @@ def test_early_factor_bounds_every_layer():
     row = (caches[0].keys.nbytes + caches[0].values.nbytes) // caches[0].keys.shape[2]
     memory = kv_memory(model, config)
     assert memory.ceiling_bytes == row * (3 * 64 + 7 * 8) and memory.growth_bytes_per_token == 0
-    assert config.to_dict()["early_factor"] == 8 and config != EvictionConfig(budget=8)
+    assert config.to_dict()["early_factor"] == 8 and config != EvictionConfig(keep="low", budget=8)
     for bad in (dict(early_factor=0), dict(early_factor=2.5), dict(early_factor=8, skip_layers=(0, 1)),
                 dict(early_factor=8, layer_budgets={0: 64})):
         with pytest.raises(ValueError, match="early_factor"):
@@ -545,17 +549,17 @@ def test_kv_memory_ceiling_against_an_independent_count():
     types = ["full_attention", "sliding_attention", "full_attention", "full_attention"]
     model = tiny_llama(layers=4, layer_types=types, sliding_window=8)
     row = 2 * 16 * 2 * 4  # KV heads x head_dim x (keys + values) x float32
-    bounded = kv_memory(model, EvictionConfig(budget=16, skip_layers=(), layer_budgets={3: 32}))
+    bounded = kv_memory(model, EvictionConfig(keep="low", budget=16, skip_layers=(), layer_budgets={3: 32}))
     assert bounded.ceiling_bytes == (16 + 8 + 16 + 32) * row and bounded.growth_bytes_per_token == 0
     assert bounded.bytes_at(10) == (10 + 8 + 10 + 10) * row and bounded.bytes_at(1000) == bounded.ceiling_bytes
-    grows = kv_memory(model, EvictionConfig(budget=16, skip_layers=(2,)))
+    grows = kv_memory(model, EvictionConfig(keep="low", budget=16, skip_layers=(2,)))
     assert grows.ceiling_bytes is None and grows.growth_bytes_per_token == row
     assert grows.bytes_at(1000) == (16 + 8 + 1000 + 16) * row and "1 of 4 layers keep every token" in grows.describe()
     # cache_stats reports the same ceiling after a real run
-    caches = make_eviction_cache(model, EvictionConfig(budget=16, skip_layers=(), layer_budgets={3: 32}))
+    caches = make_eviction_cache(model, EvictionConfig(keep="low", budget=16, skip_layers=(), layer_budgets={3: 32}))
     feed(model, caches, random_tokens(40, seed=1), [30, 1, 9])
     assert cache_stats(caches).ceiling_bytes == bounded.ceiling_bytes
-    caches = make_eviction_cache(model, EvictionConfig(budget=16, skip_layers=(2,)))
+    caches = make_eviction_cache(model, EvictionConfig(keep="low", budget=16, skip_layers=(2,)))
     feed(model, caches, random_tokens(40, seed=1), [40])
     assert cache_stats(caches).ceiling_bytes is None
 

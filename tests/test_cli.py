@@ -298,9 +298,9 @@ FIELD_VALUES = {
     "layer_budgets": ("1:40", {"1": 40}, "layer_budgets", {"1": 40}),
     "early_factor": ("3", 3, "layer_budgets", {"0": 48, "1": 48}),
     "coverage": ("0.25", 0.25, "coverage", 0.25),
-    "recent_share": ("0.25", 0.25, "recent", 4),  # a quarter of budget 16
+    "recent_share": ("0.5", 0.5, "recent", 8),  # half of budget 16
     "early_keep": ("low", "low", "layer_keep", {"0": "low", "1": "low"}),  # the first 2 of the tiny model's layers
-    "layer_keep": ("1:low", {"1": "low"}, "layer_keep", {"0": "leverage", "1": "low"}),  # 0: the default's early rule
+    "layer_keep": ("1:low", {"1": "low"}, "layer_keep", {"1": "low"}),  # 0: the default's rule, question everywhere
     "max_tokens": ("3", 3, "max_tokens", 3),
     "temperature": ("0.5", 0.5, "temperature", 0.5),
     "top_p": ("0.9", 0.9, "top_p", 0.9),
@@ -393,6 +393,6 @@ def test_a_preset_sets_the_layout_and_explicit_options_override_it(tmp_path, tin
     assert (record["config"]["keep"], record["config"]["skip_layers"]) == ("low", [0, 1])
     job.write_text('[eviction]\npreset = "fast"\n')
     result = invoke(inp, "--job", job)
-    assert result.exit_code == 2 and "preset must be one of paper, retrieval, summarize, question, auto; got 'fast'" in result.stderr
+    assert result.exit_code == 2 and "preset must be one of paper, retrieval, summarize, question, intrinsic, auto; got 'fast'" in result.stderr
     result = invoke(inp, "--preset", "fast")
     assert result.exit_code == 2 and "'fast' is not one of" in result.stderr

@@ -14,7 +14,7 @@ from knorm_gen import (EvictionConfig, GenerationResult, L2NormKVCache, generate
                        make_eviction_cache, stream_batch_with_eviction)
 from knorm_gen.mlx_compat import own_layer_masks
 from knorm_gen.engine import BatchEngine
-from knorm_gen.config import GenerationConfig
+from knorm_gen.config import PRESETS, GenerationConfig
 from knorm_gen.prompts import encode_prompt
 from knorm_gen.corpus import text_of_tokens
 from knorm_gen.models import load_model
@@ -58,7 +58,8 @@ def test_teacher_forced_rows_match_each_row_alone(mt, skip_layers):
     model, tok = mt
     ids = text_of_tokens(tok, 900)
     rows = [ids[:520], ids[100:180], ids[300:900], ids[50:80]]  # mixed lengths, one under budget
-    steps, config = 8, EvictionConfig(budget=64, skip_layers=skip_layers)
+    # an intrinsic rule (0.6's default): the batch cache itself ranks and evicts
+    steps, config = 8, EvictionConfig(budget=64, **{**PRESETS["intrinsic"], "skip_layers": skip_layers})
 
     alone, want = [], []
     for r in rows:
@@ -122,7 +123,7 @@ def test_greedy_batch_equals_batch_1_with_rows_leaving_and_joining(mt):
                "Summarize: " + " ".join(["The river flows to the sea and the sea rises to the clouds."] * 12),
                "Write a haiku about rain.", "What is the capital of France?"]
     max_tokens = [24, 6, 16, 12, 20]  # rows finish at different steps; 5 rows through 2 slots
-    config = EvictionConfig(budget=24)
+    config = EvictionConfig(budget=24, **PRESETS["intrinsic"])  # an intrinsic rule: the batch cache itself evicts
     results = [None] * len(prompts)
     finished = []
     engine = BatchEngine(model, tok, config, batch_size=2)  # per-row max_tokens, as the runner uses it

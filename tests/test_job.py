@@ -9,7 +9,7 @@ import mlx_lm
 import pytest
 
 from knorm_gen import (EvictionConfig, GenerationConfig, answer_questions, generate_batch_with_eviction,
-                       make_eviction_cache)
+                       make_eviction_cache, probe_caches)
 from knorm_gen.job import BatchOptions, BatchUsageError, run_batch
 from knorm_gen.models import get_model
 
@@ -70,7 +70,8 @@ def greedy_by_hand(model, tok, ids, span, budget, max_tokens):
     which only ``span`` is evictable, the prompt fed as mlx_lm feeds one (all but its
     last token, then the last), then the most likely token each step until max_tokens
     or an end-of-sequence token."""
-    caches = make_eviction_cache(model, EvictionConfig(budget=budget), (span,))
+    # the default rule reads a probe of the text after the span, made first, as the product makes it
+    caches = probe_caches(make_eviction_cache(model, EvictionConfig(budget=budget), (span,)), model, tok, ids, (span,))
     model(mx.array(ids[:-1])[None], cache=caches)
     step, out = ids[-1:], []
     while len(out) < max_tokens and (not out or out[-1] not in tok.eos_token_ids):
@@ -113,9 +114,9 @@ def test_records_match_hand_built_records_and_share_one_shape(tmp_path, mt):
     assert p["compression_ratio"] == pytest.approx(p["full_bytes"] / p["kept_bytes"])
     assert p["token_ratio"] == pytest.approx(want["tokens_seen"] / want["tokens_kept"])
     assert p["meta"] == {"source": "test"} and p["model"] == MODEL["spec"] and p["error"] is None
-    # the default bounds every layer with blend (KeyDiff + the paper's norm) and a quarter as coverage
+    # the default bounds every layer with the question rule, a quarter of the budget recent, no coverage
     assert p["config"]["budget"] == 16 and p["config"]["max_tokens"] == 2 and p["config"]["skip_layers"] == []
-    assert (p["config"]["keep"], p["config"]["coverage"]) == ("blend", 0.25)
+    assert (p["config"]["keep"], p["config"]["recent"]) == ("question", 4) and "coverage" not in p["config"]  # 16 / 4
     # "Say hi." is shorter than the budget: nothing is evicted, so mlx_lm's own generation is the reference
     ids = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True)
     assert m["tokens_kept"] == m["tokens_seen"] == len(ids) + m["generated_tokens"]

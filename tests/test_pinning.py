@@ -333,13 +333,15 @@ def test_the_recent_share_of_each_layer_is_kept(tiny_model):
 
 def test_early_keep_rules_the_first_30_percent_of_the_full_attention_layers():
     # by hand: 30 layers -> layers 0-8; Gemma 3's global layers 5, 11, 17 -> at least two, 5 and 11
-    assert EvictionConfig(budget=64).resolved(30).layer_keep == {i: "leverage" for i in range(9)}
-    assert EvictionConfig(budget=64).resolved(18, [5, 11, 17]).layer_keep == {5: "leverage", 11: "leverage"}
+    blend = EvictionConfig(budget=64, keep="blend")  # auto pairs leverage with the blend (--preset intrinsic)
+    assert blend.resolved(30).layer_keep == {i: "leverage" for i in range(9)}
+    assert blend.resolved(18, [5, 11, 17]).layer_keep == {5: "leverage", 11: "leverage"}
+    assert EvictionConfig(budget=64).resolved(30).layer_keep is None  # the default: the question rule in every layer
     # skipped early layers (--preset retrieval) hold everything: no rule to report
-    assert EvictionConfig(budget=64, skip_layers=None).resolved(30).layer_keep is None
+    assert EvictionConfig(budget=64, keep="blend", skip_layers=None).resolved(30).layer_keep is None
     assert EvictionConfig(budget=None).resolved(30).layer_keep is None
     # layer_keep overrides single layers; early_keep names any rule; auto pairs leverage with the blend alone
-    assert EvictionConfig(budget=64, layer_keep={2: "low"}).resolved(10).layer_keep == {
+    assert EvictionConfig(budget=64, keep="blend", layer_keep={2: "low"}).resolved(10).layer_keep == {
         0: "leverage", 1: "leverage", 2: "low"}
     assert EvictionConfig(budget=64, keep="keydiff", early_keep="low").resolved(10).layer_keep == {
         0: "low", 1: "low", 2: "low"}
@@ -353,9 +355,10 @@ def test_early_keep_validation_and_fingerprints():
         EvictionConfig(early_keep="median")
     # what runs is what a record holds: "auto" under the blend is leverage; a rule equal to keep is no field,
     # so a keep-low or preset config made before early_keep keeps its fingerprint
-    assert EvictionConfig().to_dict()["early_keep"] == "leverage"
-    assert EvictionConfig(early_keep="leverage").to_dict() == EvictionConfig().to_dict()
-    for config in (EvictionConfig(keep="low"), EvictionConfig(early_keep="blend"),
+    blend = EvictionConfig(keep="blend")
+    assert blend.to_dict()["early_keep"] == "leverage"
+    assert EvictionConfig(keep="blend", early_keep="leverage").to_dict() == blend.to_dict()
+    for config in (EvictionConfig(), EvictionConfig(keep="low"), EvictionConfig(keep="blend", early_keep="blend"),
                    make_configs(preset="summarize")[0], make_configs(preset="paper")[0]):
         assert "early_keep" not in config.to_dict()
     assert make_configs(preset="retrieval", budget=64)[0].resolved(30).layer_keep is None

@@ -148,7 +148,7 @@ def test_batch_rows_keep_and_store_what_they_do_alone(keep):
 def test_save_load_and_copy_round_trip_quantized(tmp_path):
     model = tiny_llama(layers=3, head_dim=64)
     tokens = random_tokens(60, seed=2, repeat=False)
-    caches = make_eviction_cache(model, EvictionConfig(budget=16, skip_layers=(0,), kv_bits=4))
+    caches = make_eviction_cache(model, EvictionConfig(keep="low", budget=16, skip_layers=(0,), kv_bits=4))
     model(tokens[None, :50], cache=caches)
     for t in tokens[50:55]:
         model(t.reshape(1, 1), cache=caches)
@@ -178,14 +178,14 @@ def test_quantized_bytes_against_an_independent_count():
     for bits, group in ((4, 64), (8, 32)):
         # per head and vector: packed bits, then one float32 scale and bias per group
         row_q = 2 * 2 * (64 * bits // 8 + 2 * (64 // group) * 4)
-        caches = make_eviction_cache(model, EvictionConfig(budget=32, kv_bits=bits, kv_group_size=group))
+        caches = make_eviction_cache(model, EvictionConfig(keep="low", budget=32, kv_bits=bits, kv_group_size=group))
         model(tokens[None], cache=caches)
         s = cache_stats(caches, ceiling_at=100 + 10)
         assert s.kept_bytes == 3 * 32 * row_q and s.full_bytes == 3 * 100 * row_fp
         assert s.compression_ratio == pytest.approx(100 * row_fp / (32 * row_q))
         assert s.token_ratio == pytest.approx(100 / 32)
         assert s.ceiling_bytes == 3 * 32 * row_q and s.kept_bytes <= s.ceiling_bytes
-        assert kv_memory(model, EvictionConfig(budget=32, kv_bits=bits, kv_group_size=group)).ceiling_bytes \
+        assert kv_memory(model, EvictionConfig(keep="low", budget=32, kv_bits=bits, kv_group_size=group)).ceiling_bytes \
             == 3 * 32 * row_q
     unbounded = kv_memory(model, EvictionConfig(budget=None, kv_bits=4))
     assert unbounded.ceiling_bytes is None and unbounded.growth_bytes_per_token == 3 * 2 * 2 * (32 + 8)
@@ -194,7 +194,7 @@ def test_quantized_bytes_against_an_independent_count():
 def test_sliding_window_layers_stay_full_precision_rotating():
     types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
     model = tiny_llama(layers=4, layer_types=types, sliding_window=8, head_dim=64)
-    caches = make_eviction_cache(model, EvictionConfig(budget=16, kv_bits=4))
+    caches = make_eviction_cache(model, EvictionConfig(keep="low", budget=16, kv_bits=4))
     assert [type(c) for c in caches] == [EvictionKVCache, RotatingKVCache, EvictionKVCache, RotatingKVCache]
     out = model(random_tokens(40, seed=3, repeat=False)[None], cache=caches)
     assert np.isfinite(np.array(out)).all()

@@ -260,14 +260,36 @@ def test_a_prompt_without_questions_is_probed_by_its_end(tiny_loaded):
         make_probe(model, tok, [], ALL_EVICTABLE)
 
 
-def test_a_cache_without_its_probe_evicts_nothing_it_was_not_probed_for():
+def _numpy_low_kept(keys: np.ndarray, budget: int, n_sink: int, recent: int) -> list[list[int]]:
+    """Independent reference: per head, the sinks, the recent window, then the lowest
+    squared norms of the rest up to the budget (one block, every position evictable)."""
+    n = keys.shape[2]
+    out = []
+    for h in range(keys.shape[1]):
+        fixed = set(range(n_sink)) | set(range(n - recent, n))
+        norms = (keys[0, h].astype(np.float64) ** 2).sum(-1)
+        rest = sorted((p for p in range(n) if p not in fixed), key=lambda p: (norms[p], p))
+        out.append(sorted(fixed | set(rest[: budget - len(fixed)])))
+    return out
+
+
+def test_a_cache_without_its_probe_keeps_the_lowest_norms_and_says_so():
+    # make_eviction_cache(model) in a plain mlx_lm loop never sees a probe: the default
+    # rule then ranks by the paper's key norm, and warns naming the fix
+    import warnings
+
     from knorm_gen.cache import BatchEvictionKVCache, EvictionKVCache
 
-    keys = mx.array(np.random.default_rng(0).normal(size=(1, 2, 30, 8)).astype(np.float32))
-    with pytest.raises(ValueError, match="probe of the job's instructions"):
-        EvictionKVCache(12, 2, 2, "question").update_and_fetch(keys, keys)
-    with pytest.raises(ValueError, match="probe of the job's instructions"):
-        BatchEvictionKVCache(12, 2, 2, "question", batch_size=1).update_and_fetch(keys, keys)
+    raw = np.random.default_rng(0).normal(size=(1, 2, 30, 8)).astype(np.float32)
+    keys = mx.array(raw)
+    for cache in (EvictionKVCache(12, 2, 2, "question"), BatchEvictionKVCache(12, 2, 2, "question", batch_size=1)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            cache.update_and_fetch(keys, keys)
+        assert any("probe_caches" in str(w.message) and "keep='low'" in str(w.message) for w in seen)
+        _, _, pos = (cache.extract(0) if isinstance(cache, BatchEvictionKVCache) else cache).ordered_state()
+        held = [sorted(int(p) for p in np.array(pos)[0, h]) for h in range(2)]
+        assert held == _numpy_low_kept(raw, 12, 2, 2)
     # pinned (a question over a compressed context): nothing is evictable, no probe is needed
     pinned = EvictionKVCache(12, 2, 2, "question", spans=())
     pinned.update_and_fetch(keys, keys)
@@ -278,16 +300,16 @@ def test_a_cache_without_its_probe_evicts_nothing_it_was_not_probed_for():
     assert batch.nbytes == 2 * batch.keys.nbytes + batch.rank.nbytes
 
 
-def test_pinned_question_caches_decode_without_waiting_on_the_device(monkeypatch):
-    # The refusal check (one mx.any(...).item() per layer per step) must not run once a
-    # cache pins everything it is fed: every answer of answer_questions decodes that way.
+def test_pinned_question_caches_decode_without_a_probe_or_a_warning(monkeypatch):
+    # Once a cache pins everything it is fed (every answer of answer_questions), its probe
+    # is gone and no score is needed: neither the fallback nor its warning may run.
     import knorm_gen.scores
     from knorm_gen.cache import BatchEvictionKVCache, EvictionKVCache
 
     keys = mx.array(np.random.default_rng(1).normal(size=(1, 2, 30, 8)).astype(np.float32))
     checked = []
-    real = knorm_gen.scores.refuse_unprobed
-    monkeypatch.setattr(knorm_gen.scores, "refuse_unprobed", lambda *a: checked.append(1) or real(*a))
+    real = knorm_gen.scores.SCORES["low"]
+    monkeypatch.setitem(knorm_gen.scores.SCORES, "low", lambda *a: checked.append(1) or real(*a))
     single = EvictionKVCache(12, 2, 2, "question", spans=((4, 20),))
     single.probe = (mx.ones((1, 2, 3, 8)), mx.zeros((1, 30), dtype=mx.int32))
     single.update_and_fetch(keys, keys)
@@ -298,9 +320,9 @@ def test_pinned_question_caches_decode_without_waiting_on_the_device(monkeypatch
         single.update_and_fetch(keys[:, :, t : t + 1], keys[:, :, t : t + 1])
         batch.update_and_fetch(mx.concatenate([keys[:, :, t : t + 1]] * 2), mx.concatenate([keys[:, :, t : t + 1]] * 2))
     assert checked == [] and single.tokens_kept == 12 + 12 + 5  # the budget, positions 2-3 and 20-29, the answer
-    # a cache that may still evict is checked, and refuses without its probe
+    # a cache that may still evict falls back to the key norm, and says so
     open_row = BatchEvictionKVCache(12, 2, 2, "question", batch_size=1)
-    with pytest.raises(ValueError, match="probe of the job's instructions"):
+    with pytest.warns(UserWarning, match="probe_caches"):
         open_row.update_and_fetch(keys, keys)
     assert checked == [1]
 
@@ -320,3 +342,53 @@ def test_a_one_token_prompt_under_the_question_rule_decodes_past_its_budget(tiny
     assert rows[0].config["keep"] == "question" and rows[0].kept_bytes <= rows[0].kv_ceiling_bytes
     assert_follows(rows[0].tokens, want, gaps, "one-token row")
     assert len(rows[0].tokens) == 12 or rows[0].finish_reason == "stop"
+
+
+def test_the_default_is_probed_on_every_product_path_and_by_probe_caches(tiny_loaded):
+    # The default rule is the question rule: every product path probes before it prefills,
+    # so none of them falls back to the key norm (the fallback warns: here an error).
+    import warnings
+
+    from mlx_lm import generate
+
+    from knorm_gen import (EvictionConfig, answer_questions, generate_batch_with_eviction, generate_with_eviction,
+                           make_eviction_cache, probe_caches)
+    from knorm_gen.cache import EvictionKVCache
+
+    model, tok = tiny_loaded
+    assert EvictionConfig().keep == "question"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = generate_with_eviction(model, tok, CONTEXT + "\n\n" + QUESTION, budget=16, max_tokens=3)
+        assert r.config["keep"] == "question" and r.tokens_kept < r.tokens_seen
+        (a,) = answer_questions(model, tok, CONTEXT, [QUESTION], budget=16, max_tokens=3)
+        assert a.tokens_kept < a.tokens_seen
+        rows = generate_batch_with_eviction(model, tok, [CONTEXT, CONTEXT + " " + QUESTION], budget=16,
+                                            max_tokens=3, batch_size=2)
+        assert all(x.tokens_kept < x.tokens_seen for x in rows)
+        # a plain mlx_lm loop: the caches hold a probe per layer, read from the prompt's own end
+        ids = tok.encode(CONTEXT + " " + QUESTION)
+        caches = probe_caches(make_eviction_cache(model, EvictionConfig(budget=16)), model, tok, ids)
+        assert all(isinstance(c, EvictionKVCache) and c.probe is not None for c in caches)
+        generate(model, tok, ids, max_tokens=3, prompt_cache=caches)
+        assert caches[0].tokens_kept < caches[0].offset
+    # any other rule: the caches come back as they were, with no probe run
+    low = make_eviction_cache(model, EvictionConfig(budget=16, keep="low"))
+    assert probe_caches(low, model, tok, ids) == low and all(c.probe is None for c in low)
+
+
+def test_a_completion_prompt_under_the_default_pins_its_answer_alone_as_in_a_batch(tiny_loaded):
+    # A batch cache holds no probe, so a probed prompt decodes pinned there; alone it must hold the
+    # same: the budget, then its last prompt token and every generated token fed back, on top.
+    from knorm_gen import generate_batch_with_eviction, generate_with_eviction
+
+    model, tok = tiny_loaded
+    prompt = (CONTEXT + " ") * 3 + QUESTION
+    n_prompt = len(tok.encode(prompt))
+    alone = generate_with_eviction(model, tok, prompt, budget=16, max_tokens=6, chat=False)
+    rows = generate_batch_with_eviction(model, tok, [prompt, prompt], budget=16, max_tokens=6, chat=False,
+                                        batch_size=2)
+    for r in (alone, *rows):
+        assert r.tokens_seen == n_prompt + r.generated_tokens and r.tokens_seen > 16 + 7
+        assert r.tokens_pinned == 1 + r.generated_tokens and r.tokens_kept == 16 + 1 + r.generated_tokens
+        assert r.kept_bytes <= r.kv_ceiling_bytes

@@ -91,6 +91,7 @@ def test_cache_block_prints_true_numbers(executed):
     seen = cache[0].offset  # every layer is an eviction cache by default; offset counts every position fed
     n_prompt = len(ns["prompt"])
     assert type(cache[0]).__name__ == "EvictionKVCache" and n_prompt < seen <= n_prompt + 40
+    assert all(c.probe is not None for c in cache)  # the default rule was probed, so it did not fall back
     # no spans given: every position is evictable, so each layer holds exactly the budget
     assert block_output(executed, "make_eviction_cache(") == [f"{seen} 32 {ratio(seen, 32):.2f}x"]
 

@@ -227,9 +227,12 @@ def test_presets_are_layouts_the_fields_override():
     assert (mixed.keep, mixed.skip_layers, mixed.early_factor) == ("blend", (), None)
     assert mixed.resolved(30).layers == tuple((512, 64) for _ in range(30))  # every layer bounded
     assert paper.coverage == retrieval.coverage == mixed.coverage == 0.0  # a preset is its rule alone
-    with pytest.raises(ValueError, match="preset must be one of paper, retrieval, summarize, question, auto; got 'x'"):
+    with pytest.raises(ValueError, match="preset must be one of paper, retrieval, summarize, question, intrinsic, auto; got 'x'"):
         make_configs(preset="x")
     question, _ = make_configs(preset="question", budget=64)
     assert (question.keep, question.coverage, question.recent_share) == ("question", 0.0, 0.125)
     assert question.resolved(30).layers == tuple((64, 8) for _ in range(30))  # every layer bounded, the eighth recent
-    assert set(PRESETS) == {"paper", "retrieval", "summarize", "question", "auto"}
+    intrinsic, _ = make_configs(preset="intrinsic", budget=64)  # 0.6's default: the keys alone, no probe
+    assert (intrinsic.keep, intrinsic.early_rule(), intrinsic.coverage) == ("blend", "leverage", 0.25)
+    assert intrinsic.resolved(30).layers == tuple((64, 32) for _ in range(30))  # every layer bounded, the recent half
+    assert set(PRESETS) == {"paper", "retrieval", "summarize", "question", "intrinsic", "auto"}
