@@ -50,9 +50,8 @@ RECENT_SHARE = 0.25
 """The default ``recent_share`` (0.7): a quarter of each budget holds the most recent
 tokens, beside the question rule. Of the three splits measured for that rule
 (benchmarks/choose_default.py, docs/results.md), the quarter kept random eviction's
-summary fidelity on both models held out, where the eighth fell short on Gemma 3, and
-it found 0.91x of the full cache's keys on SmolLM2 held out (the half: fewer keys on
-the tuning split). The intrinsic layouts keep the half (``--preset intrinsic``)."""
+summary fidelity on both models held out, where the eighth fell short on Gemma 3 (the
+half: fewer keys on the tuning split). The intrinsic layouts keep the half (``--preset intrinsic``)."""
 EARLY_KEEP = "leverage"
 """The rule of the early layers (:func:`early_layers`) under ``keep="blend"``
 (``early_keep="auto"``; ``--preset intrinsic``, 0.5's and 0.6's default). Chosen on the
@@ -295,9 +294,9 @@ class EvictionConfig:
     full-attention layer. It was chosen on a tuning split and checked on documents and
     fillers held out from it (benchmarks/choose_default.py; docs/results.md): every
     intrinsic layout (the key's norm, KeyDiff, the blend, leverage, coverage) lost the
-    pass keys planted inside real prose; this one found 0.91x of the full cache's on
-    SmolLM2 held out and 0.82x on Gemma 3, at random eviction's summary fidelity or
-    above. A cache that is never probed (a plain mlx_lm loop without
+    pass keys planted inside real prose; this one found 0.87x of the full cache's on
+    SmolLM2's ten held-out documents and 0.86x on Gemma 3's, at random eviction's summary
+    fidelity or above. A cache that is never probed (a plain mlx_lm loop without
     :func:`~knorm_gen.cache.probe_caches`) ranks by the key norm and warns.
     ``skip_layers`` are left uncompressed (their
     memory grows with the input); ``None`` means :func:`early_layers`: the first 30%
