@@ -151,8 +151,8 @@ def fidelity(model, tok, doc, budget: int, max_tokens: int) -> dict:
     out["full"] = _nll(model, full, question + ref, len(ref))
     spans = context_spans(tok, doc.text, context, chat=True)  # the template before the document pinned, as the product
     # the default (keep="question") probes the question first, as the product does (probe_caches)
-    ours = pin_caches(prefill(model, context, probe_caches(make_eviction_cache(model, EvictionConfig(budget=budget), spans),
-                                                           model, tok, context, spans, [question])))
+    fresh = make_eviction_cache(model, EvictionConfig(budget=budget), spans)
+    ours = pin_caches(prefill(model, context, probe_caches(fresh, model, tok, context, spans, [question])))
     out["ours_compression"] = cache_stats(ours).compression_ratio
     out["ours"] = _nll(model, ours, question + ref, len(ref))
     q4 = EvictionConfig(budget=budget, kv_bits=4, kv_group_size=KV_GROUP)

@@ -115,10 +115,11 @@ def stream_request(model: Any, tokenizer: Any, request: Request) -> Iterator[Uni
         mx.random.seed(generation.seed)
     mx.reset_peak_memory()
     tic = time.perf_counter()
+    tok = as_tokenizer(tokenizer)
     # keep="question" (the default): the instructions after the document are probed first
-    caches = probe_caches(make_eviction_cache(model, request.eviction, request.spans), model,
-                          as_tokenizer(tokenizer), request.ids, request.spans)
-    yield from _stream_ids(model, as_tokenizer(tokenizer), request.ids, caches, generation=generation,
+    caches = probe_caches(make_eviction_cache(model, request.eviction, request.spans), model, tok, request.ids,
+                          request.spans)
+    yield from _stream_ids(model, tok, request.ids, caches, generation=generation,
                            config=settings_dict(request.eviction, generation), prompt_tokens=len(request.ids),
                            probe_s=time.perf_counter() - tic)
 
