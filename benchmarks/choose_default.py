@@ -27,7 +27,7 @@ import knorm_gen  # noqa: F401  (BLAS preload first)
 from knorm_gen.models import load_model
 from knorm_gen.tune import CANDIDATES, Doc, Tuner, head_tokens, run, summarize
 
-from documents import documents  # benchmarks/documents.py
+from documents import documents, installed_readmes  # benchmarks/documents.py
 
 RESULTS = Path(__file__).parent / "results"
 SPLIT_FILLERS = {"tune": ("grass", "ledger"), "heldout": ("harbor", "recipe")}
@@ -116,6 +116,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--arms", default=",".join(CANDIDATES), help="candidates, comma-separated")
     ap.add_argument("--docs", type=int, default=3, help="documents of the split")
     ap.add_argument("--skip", type=int, default=0, help="leave out the split's first N documents (a fresh set)")
+    ap.add_argument("--readmes", default="", help="instead of the split's documents, the READMEs of these installed "
+                    "packages, comma-separated (fresh material; the split names the fillers)")
     ap.add_argument("--doc-tokens", type=int, default=2048)
     ap.add_argument("--key-doc-tokens", type=int, default=1536, help="pass keys: documents cut to this many tokens")
     ap.add_argument("--ratio", type=float, default=4.0)
@@ -129,8 +131,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     model, tok = load_model(None if args.model == "default" else args.model)
-    all_docs = documents(tok)
-    split = all_docs[0::2] if args.split == "tune" else all_docs[1::2]
+    if args.readmes:
+        split = installed_readmes(args.readmes.split(","))
+    else:
+        all_docs = documents(tok)
+        split = all_docs[0::2] if args.split == "tune" else all_docs[1::2]
     docs = [Doc(d.name, head_tokens(tok, d.text, args.doc_tokens)) for d in split[args.skip : args.skip + args.docs]]
     arms = {a: arm_fields(a, args.mix_from) for a in args.arms.split(",") if a}
     out = Path(args.out or RESULTS / f"choose_default-{args.model}-{args.split}.json")
@@ -138,7 +143,8 @@ def main(argv=None) -> dict:
     tuner = Tuner(model, tok, arms, ratio=args.ratio, log=lambda m: print(m, file=sys.stderr, flush=True),
                   modes=args.modes.split(","))
     meta = dict(model=args.model, split=args.split, docs=[d.name for d in docs], doc_tokens=args.doc_tokens,
-                ratio=args.ratio, arms=arms, fillers=SPLIT_FILLERS[args.split])
+                ratio=args.ratio, arms=arms, fillers=SPLIT_FILLERS[args.split],
+                sources=[d.source for d in split[args.skip : args.skip + args.docs]])
 
     def save(rows):
         tmp = out.with_suffix(".tmp")

@@ -146,6 +146,25 @@ def documents(tokenizer: Any = None, min_tokens: int = 2000, max_tokens: int = 8
     return out
 
 
+def installed_readmes(packages: list[str]) -> list[Document]:
+    """Fresh material for a final check: the README of each installed package named
+    (whatever version is installed, not pinned, so not part of ``documents()``); a
+    package not installed or with a README under 2,000 characters is an error."""
+    out = []
+    for package in packages:
+        try:
+            dist = importlib.metadata.distribution(package)
+        except importlib.metadata.PackageNotFoundError:
+            raise SystemExit(f"{package}: not installed here; name an installed package (pip list)") from None
+        meta = email.message_from_string(dist.read_text("METADATA") or "")
+        text = (meta.get_payload() or "").strip()
+        if len(text) < 2000:
+            raise SystemExit(f"{package}: its README is {len(text)} characters; name one of 2,000 or more")
+        out.append(Document(f"readme:{package}", text, f"PyPI {package}=={dist.version} (installed, not pinned)",
+                            meta["License"] or "see the package", " ".join((meta["Summary"] or "").split()) or None))
+    return out
+
+
 def missing() -> list[str]:
     """The documents of ``ORDER`` whose source is not installed here."""
     pydoc = dict(pydoc_sections())

@@ -68,6 +68,9 @@ CANDIDATES: dict[str, dict] = {
     # the question rule with a quarter (the default since 0.7) or half of each budget recent, and behind leverage in
     # the first 30% of the full-attention layers (measured in 0.6.1, docs/results.md)
     "question_rec25": dict(keep="question", early_keep="question", skip_layers=(), coverage=0.0, recent_share=0.25),
+    # the question rule with one selection shared by every head and layer (scores.SHARED)
+    "shared_rec25": dict(keep="question_shared", early_keep="question_shared", skip_layers=(), coverage=0.0,
+                         recent_share=0.25),
     "question_rec50": dict(keep="question", early_keep="question", skip_layers=(), coverage=0.0, recent_share=0.5),
     "lev30_question": dict(keep="question", early_keep="leverage", skip_layers=(), coverage=0.0, recent_share=_OLD),
     "random": dict(keep="random", skip_layers=(), coverage=0.0, recent_share=_OLD),  # the control at equal bytes
