@@ -125,7 +125,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--depths", default="0.25,0.75")
     ap.add_argument("--filler-depths", default="0.3,0.7")
     ap.add_argument("--modes", default="ctq", help="pass-key modes: ctq (context, then the pinned question), "
-                    "whole (one prompt, nothing pinned)")
+                    "whole (one prompt, nothing pinned, the chat template's tokens too), prompt (one prompt as "
+                    "generate_with_eviction runs it: the chat template pinned)")
     ap.add_argument("--mix-from", default="", help="a knorm-tune --out file: its per-layer mix is the arm 'mix'")
     ap.add_argument("--add-to", default="", help="a results file to continue (its finished cases are kept)")
     ap.add_argument("--out", default="")

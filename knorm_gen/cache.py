@@ -38,10 +38,9 @@ from . import quant
 from .mlx_compat import _BaseCache, create_attention_mask, is_full_attention, make_prompt_cache, register_cache_class
 from .quant import Stored
 from .question import make_probe
-from .scores import (ALL_EVICTABLE, PAD, PROBED, PROTECTED, RUNNING, SHARED, Spans, block_ranks, capacity,
-                     check_spans, cover_slots, evict_key, evictable_from, head_votes, open_ended, pack_ranks, pin_from,
-                     pinned_count, probe_scores, rank_positions, rescore, running_reference, running_update,
-                     running_zeros, span_array)
+from .scores import (ALL_EVICTABLE, PAD, PROBED, PROTECTED, RUNNING, Spans, block_ranks, capacity, check_spans,
+                     cover_slots, evict_key, evictable_from, open_ended, pin_from, pinned_count, rank_positions, rescore,
+                     running_reference, running_update, running_zeros, span_array)
 
 
 UNBOUNDED = 1 << 40
@@ -98,10 +97,6 @@ class EvictionKVCache(_BaseCache):
         # keep="question" (scores.PROBED): the probe of the job's instructions, (queries, pieces)
         # (set_probe), fixed; dropped when the cache is pinned, as no later token is evictable.
         self.probe: Optional[tuple[mx.array, mx.array]] = None
-        # keep="question_shared" (scores.SHARED): the board the model's shared layers vote on
-        # (set_probe; None: this layer votes alone), and the scale of its last block's scores.
-        self.board: Optional["VoteBoard"] = None
-        self.vote_stats: Optional[tuple] = None
 
     # ---- mlx_lm protocol -------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -111,8 +106,6 @@ class EvictionKVCache(_BaseCache):
         n = keys.shape[2]
         anchor = None
         spans = self._span_array()
-        if self.keep in SHARED and self.probe is not None and evictable_from(self.spans, self.offset):
-            return self._shared_update(keys, values)
         if self.keep in PROBED:
             anchor = self.probe
         elif self.keep in RUNNING:
@@ -137,51 +130,6 @@ class EvictionKVCache(_BaseCache):
             return self._decode_over_budget(keys, values, rank)
         return self._block_over_budget(keys, values, rank, limit)
 
-    def _shared_update(self, keys: mx.array, values: mx.array) -> tuple[Stored, Stored]:
-        # keep="question_shared": this layer's vote goes on the board; a block is held
-        # whole (attended with the kept rows) until every shared layer has voted, then
-        # each of them ranks it by the best vote and evicts (VoteBoard.post).
-        b, h, n = keys.shape[:3]
-        positions = self.offset + mx.arange(n, dtype=mx.int64)[None, None, :]
-        votes, stats = head_votes(probe_scores(keys, positions, self.probe), self.vote_stats)
-        if n >= 2:
-            self.vote_stats = stats
-        start = self.offset
-        keys, values = self._store(keys, values)
-        self.offset += n
-        if n == 1:  # a decode step: this layer's own vote, and the one spare slot, as every rule
-            rank = pack_ranks(mx.broadcast_to(-votes[:, None, :], (b, h, 1)), positions, self.n_sink,
-                              self._span_array())
-            if self.count + 1 <= self.limit:
-                self._compact()
-                self._append(keys, values, rank)
-                return quant.rows(self.keys, 0, self.count), quant.rows(self.values, 0, self.count)
-            return self._decode_over_budget(keys, values, rank)
-        self._compact()
-        slot = self.count
-        self._append(keys, values, mx.zeros((b, h, n), mx.int64))
-        held = quant.rows(self.keys, 0, self.count), quant.rows(self.values, 0, self.count)
-        (self.board or VoteBoard(1)).post(self, start, slot, votes)
-        return held
-
-    def settle(self, start: int, slot: int, votes: mx.array) -> None:
-        """Rank the held block at ``slot`` (first position ``start``) by ``votes`` (B, N),
-        the best of every shared layer's, and evict down to the limit."""
-        n = votes.shape[-1]
-        positions = start + mx.arange(n, dtype=mx.int64)[None, None, :]
-        b, h = self.rank.shape[:2]
-        self.rank[:, :, slot : slot + n] = pack_ranks(mx.broadcast_to(-votes[:, None, :], (b, h, n)), positions,
-                                                      self.n_sink, self._span_array())
-        limit = self.limit
-        if self.count <= limit:
-            return
-        all_k, all_v, all_r = self.held()
-        keep = mx.argpartition(self._evict_key(all_r), kth=limit - 1, axis=-1)[..., :limit]
-        self.keys = quant.concat([quant.take(all_k, keep), quant.zeros(all_k, 1)])
-        self.values = quant.concat([quant.take(all_v, keep), quant.zeros(all_v, 1)])
-        self.rank = mx.concatenate([mx.take_along_axis(all_r, keep, axis=-1), mx.zeros((b, h, 1), mx.int64)], axis=2)
-        self.count, self.free = limit, None
-
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         # Rows are returned as (kept rows, then the block), so a mask aligned to
         # the rows held is exact; "causal" is bottom-right aligned by MLX.
@@ -203,7 +151,6 @@ class EvictionKVCache(_BaseCache):
         self.keys, self.values = quant.as_stored(self.keys), quant.as_stored(self.values)
         self.key_sum = v[11] if len(v) > 11 else None
         self.probe = None  # not saved: a loaded question cache takes a new one (set_probe) or stays pinned
-        self.board = self.vote_stats = None
         self._set_quantization(int(v[14]) or None if len(v) > 14 else None,
                                int(v[15]) if len(v) > 15 else EvictionConfig.kv_group_size)
         if len(v) > 12:
@@ -321,7 +268,7 @@ class EvictionKVCache(_BaseCache):
     def pin(self) -> None:
         """Pin every later token (a question over a compressed context, and its answer)."""
         self.spans = pin_from(self.spans, self.offset)
-        self.probe = self.board = None  # nothing later is evictable: the probe has done its work
+        self.probe = None  # nothing later is evictable: the probe has done its work
 
     @property
     def pinned(self) -> bool:
@@ -340,7 +287,6 @@ class EvictionKVCache(_BaseCache):
         new = EvictionKVCache.__new__(EvictionKVCache)
         new.state = tuple(quant.copy(x) if isinstance(x, (mx.array, tuple)) else x for x in self.state)
         new.probe = self.probe  # read only, never written into: shared
-        new.board, new.vote_stats = None, self.vote_stats  # a lone copy votes alone; copy_caches shares a new board
         return new
 
     def ordered_state(self) -> tuple[Stored, Stored, mx.array]:
@@ -878,44 +824,10 @@ def set_probe(caches: Sequence[Any], probe: Sequence[tuple[mx.array, mx.array]])
     returns the list."""
     if len(probe) != len(caches):
         raise ValueError(f"a probe of {len(probe)} layers for {len(caches)} caches")
-    shared = [c for c in caches if isinstance(c, EvictionKVCache) and c.keep in SHARED]
-    board = VoteBoard(len(shared)) if shared else None
     for c, p in zip(caches, probe):
         if isinstance(c, EvictionKVCache) and c.keep in PROBED:
             c.probe = p
-            if c.keep in SHARED:
-                c.board = board
     return list(caches)
-
-
-class VoteBoard:
-    """Where the ``keep="question_shared"`` layers of one cache list vote on a block:
-    each layer posts the best score of its heads per position (:func:`knorm_gen.scores.head_votes`)
-    and holds the block; when all ``layers`` have posted (the model's forward pass has
-    reached the last of them), every one of them ranks the block by the best vote of
-    all and evicts. Until then a layer holds its budget plus the block, so a prefill's
-    peak holds one block more per shared layer than the rules that evict at once."""
-
-    def __init__(self, layers: int):
-        self.layers = layers
-        self.posts: list = []
-
-    def post(self, cache: EvictionKVCache, start: int, slot: int, votes: mx.array) -> None:
-        if self.posts and (self.posts[0][1] != start or self.posts[0][3].shape != votes.shape):
-            self.settle()  # an earlier block that not every layer voted on: settled on the votes it has
-        self.posts.append((cache, start, slot, votes))
-        if len(self.posts) >= self.layers:
-            self.settle()
-
-    def settle(self) -> None:
-        if not self.posts:
-            return
-        best = self.posts[0][3]
-        for post in self.posts[1:]:
-            best = mx.maximum(best, post[3])
-        for cache, start, slot, _ in self.posts:
-            cache.settle(start, slot, best)
-        self.posts = []
 
 
 def probed(caches: Sequence[Any]) -> bool:
@@ -952,12 +864,9 @@ def copy_caches(caches: Sequence[Any]) -> list:
         return value
 
     out = []
-    boards: dict[int, VoteBoard] = {}  # the copies of one board's layers share a new one
     for c in caches:
         if isinstance(c, EvictionKVCache):
             out.append(c.copy())
-            if c.board is not None:
-                out[-1].board = boards.setdefault(id(c.board), VoteBoard(c.board.layers))
             continue
         new = copy.copy(c)
         for name, value in vars(c).items():

@@ -145,12 +145,12 @@ def score_leverage(keys: mx.array, positions: mx.array, anchor: Optional[mx.arra
     return -mx.sum((x @ inv) * x, axis=-1)
 
 
-def probe_scores(keys: mx.array, positions: mx.array, anchor: Optional[tuple]) -> mx.array:
-    """``(B, H, N)`` float32: how much the job's instructions want each key (higher:
-    more): ``anchor`` is the probe ``(queries (B, H, M, D), pieces (B, P))`` of
-    :func:`knorm_gen.question.make_probe`; the score is
-    :func:`knorm_gen.question.question_scores` with each token in its sentence piece
-    (a position past the probed prompt, a generated token, is a piece of its own)."""
+def score_question(keys: mx.array, positions: mx.array, anchor: Optional[tuple] = None) -> mx.array:
+    """Minus the attention the job's instructions would give the key: ``anchor`` is
+    the probe ``(queries (B, H, M, D), pieces (B, P))`` of :func:`knorm_gen.question.make_probe`;
+    the score is :func:`knorm_gen.question.question_scores` with each token in its
+    sentence piece (a position past the probed prompt, a generated token, is a piece
+    of its own). Static: it depends on the key and the probe only."""
     if anchor is None:
         raise ValueError("keep='question' scores keys against a probe of the job's instructions, and this cache has "
                          "none: run it through generate_with_eviction, answer_questions or knorm-batch, which probe "
@@ -160,30 +160,7 @@ def probe_scores(keys: mx.array, positions: mx.array, anchor: Optional[tuple]) -
     last = pieces.shape[-1] - 1
     inside = mx.take_along_axis(pieces, mx.minimum(pos, last), axis=-1)
     seg = mx.where(pos <= last, inside, pieces[:, last:] + pos - last)
-    return question_scores(keys, queries, seg)
-
-
-def score_question(keys: mx.array, positions: mx.array, anchor: Optional[tuple] = None) -> mx.array:
-    """Minus the attention the job's instructions would give the key, in its own head
-    (:func:`probe_scores`). Static: it depends on the key and the probe only."""
-    return -probe_scores(keys, positions, anchor)
-
-
-VOTE_MIN_BLOCK = 16
-"""A block of fewer tokens (a decode step, a prefill's short remainder) is put on the
-scale of the layer's last block of at least this many: its own spread says too little."""
-
-
-def head_votes(scores: mx.array, stats: Optional[tuple] = None) -> tuple[mx.array, tuple]:
-    """``(votes (B, N), stats)``: each position's best score over the heads, each head's
-    ``scores (B, H, N)`` (:func:`probe_scores`) first put on one scale (less its mean,
-    over its spread, within the block; a block under :data:`VOTE_MIN_BLOCK` tokens
-    takes ``stats``, the ``(mean, spread)`` of an earlier one, when given)."""
-    if scores.shape[-1] >= VOTE_MIN_BLOCK or stats is None:
-        mean = mx.mean(scores, axis=-1, keepdims=True)
-        spread = mx.sqrt(mx.mean(mx.square(scores - mean), axis=-1, keepdims=True))
-        stats = (mean, mx.maximum(spread, 1e-6))
-    return mx.max((scores - stats[0]) / stats[1], axis=1), stats
+    return -question_scores(keys, queries, seg)
 
 
 SCORES: dict[str, ScoreFn] = {
@@ -195,22 +172,15 @@ SCORES: dict[str, ScoreFn] = {
     "blend": score_blend,
     "leverage": score_leverage,
     "question": score_question,
-    "question_shared": score_question,  # per head where no vote is taken (a batch cache); see SHARED
 }
 
 ANCHORED = frozenset({"keydiff", "blend"})
 """The rules that score against the running anchor (block-size dependent, see above)."""
 
-PROBED = frozenset({"question", "question_shared"})
+PROBED = frozenset({"question"})
 """The rules that score against a probe of the job's instructions, set before the
 prefill (:func:`knorm_gen.cache.set_probe`) and fixed; the caches hand it over as
 the anchor and never re-score held keys."""
-
-SHARED = frozenset({"question_shared"})
-"""The probed rules whose layers keep one shared selection: every head of every such
-layer ranks a block by the best vote of any head in any of them (:func:`head_votes`,
-:class:`knorm_gen.cache.VoteBoard`), so a sentence one head reads closely is kept in
-every head (the heads that copy it need it too)."""
 
 RUNNING = ANCHORED | {"leverage"}
 """The rules with running state over every token seen: a block of more than one

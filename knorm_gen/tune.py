@@ -11,7 +11,9 @@ question pinned), so a number here is what the product gives on that model.
   ``recovered = (nll_none - nll_arm) / (nll_none - nll_full)``.
 - **pass keys**: a key sentence placed at several depths inside the document (and
   inside repeated filler), asked for after the context (``ctq``: question pinned)
-  and as one prompt (``whole``: nothing pinned, completion style).
+  and as one prompt (``whole``: nothing pinned, completion style, the chat template's
+  tokens evictable too; ``prompt``: the prompt as ``generate_with_eviction`` runs it,
+  through a chat template the template pinned and the user's text evictable).
 - **perplexity**: the last tokens of the document after its compressed head.
 """
 
@@ -30,12 +32,12 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 
 from .cache import EvictionKVCache, copy_caches, make_eviction_cache, pin_caches, probe_caches
-from .config import OLD_RECENT_SHARE, EvictionConfig
+from .config import DEFAULT_QUESTION_SEPARATOR, OLD_RECENT_SHARE, EvictionConfig
 from .engine import prefill
 from .memory import cache_stats
 from .mlx_compat import full_attention_layers, record_attention
-from .prompts import as_tokenizer, context_spans, has_chat_template, split_question_prompts
-from .scores import ALL_EVICTABLE
+from .prompts import as_tokenizer, context_spans, encode_with_spans, has_chat_template, split_question_prompts
+from .scores import ALL_EVICTABLE, PROBED, pin_from
 
 _OLD = OLD_RECENT_SHARE  # the recent window every layout had before recent_share (budget // 8)
 CANDIDATES: dict[str, dict] = {
@@ -68,9 +70,6 @@ CANDIDATES: dict[str, dict] = {
     # the question rule with a quarter (the default since 0.7) or half of each budget recent, and behind leverage in
     # the first 30% of the full-attention layers (measured in 0.6.1, docs/results.md)
     "question_rec25": dict(keep="question", early_keep="question", skip_layers=(), coverage=0.0, recent_share=0.25),
-    # the question rule with one selection shared by every head and layer (scores.SHARED)
-    "shared_rec25": dict(keep="question_shared", early_keep="question_shared", skip_layers=(), coverage=0.0,
-                         recent_share=0.25),
     "question_rec50": dict(keep="question", early_keep="question", skip_layers=(), coverage=0.0, recent_share=0.5),
     "lev30_question": dict(keep="question", early_keep="leverage", skip_layers=(), coverage=0.0, recent_share=_OLD),
     "random": dict(keep="random", skip_layers=(), coverage=0.0, recent_share=_OLD),  # the control at equal bytes
@@ -132,6 +131,16 @@ def _greedy(model, tok, ids: Sequence[int], caches: list, max_tokens: int, penal
             break
         out.append(r.token)
     return out
+
+
+def product_prompt(tok: Any, text: str, chat: bool, config: Any) -> tuple[list[int], tuple]:
+    """``(ids, spans)`` of a text prompt as the product runs it (:class:`knorm_gen.engine.Request`):
+    through the chat template, the template pinned and the user's text evictable; completion
+    style, all of it; under a probed rule the last token and the answer pinned too."""
+    ids, spans = encode_with_spans(tok, text, chat)
+    if config is not None and any(r in PROBED for r in (config.keep, *(config.layer_keep or {}).values())):
+        spans = pin_from(spans, len(ids) - 1)
+    return ids, spans
 
 
 def cut_repetition(ids: list[int], n: int = 8) -> list[int]:
@@ -237,6 +246,12 @@ class Tuner:
                 self._seed(name + key)
                 caches = prefill(model, whole[:-1], self.caches(arm, budget, ids=whole), self.step)
                 answers["whole"] = tok.decode(_greedy(model, tok, whole[-1:], caches, 16))
+            if "prompt" in self.modes:  # the whole prompt as generate_with_eviction encodes and pins it
+                self._seed(name + key)
+                ids, spans = product_prompt(tok, context + DEFAULT_QUESTION_SEPARATOR + question, self.chat,
+                                            self.config(arm, budget) if arm != "full" else None)
+                caches = prefill(model, ids[:-1], self.caches(arm, budget, spans, ids), self.step)
+                answers["prompt"] = tok.decode(_greedy(model, tok, ids[-1:], caches, 16))
             for mode, text in answers.items():
                 rows.append(dict(task="passkey", doc=name, arm=arm, mode=mode, depth=depth, key=key,
                                  tokens=len(prefix), budget=None if arm == "full" else budget, ok=key in text,

@@ -33,14 +33,6 @@ def rule_cache(keep, keys, seed, budget=BUDGET, n_sink=N_SINK, recent=RECENT):
     return cache
 
 
-def standardised_votes(scores):
-    """float64 votes ``(B, 1, N)`` of question scores ``(B, H, N)``: each head's scores less
-    their mean over their (population) standard deviation, then the best head's."""
-    scores = np.asarray(scores, dtype=np.float64)
-    z = (scores - scores.mean(axis=-1, keepdims=True)) / scores.std(axis=-1, keepdims=True)
-    return z.max(axis=1, keepdims=True)
-
-
 def numpy_block_scores(keep, keys, seed):
     """float64 reference of each rule for one block of keys ``(1, H, N, D)`` (lower is
     kept first), written from the rules' definitions: ``low``/``high`` the squared key
@@ -69,9 +61,6 @@ def numpy_block_scores(keep, keys, seed):
     if keep == "question":
         q, pieces = question_probe(keys.shape[1], keys.shape[3], keys.shape[2], seed)
         return -reference_scores(keys, q, [list(pieces)], LOCAL)
-    if keep == "question_shared":  # every head ranks by the best of the heads' standardised scores
-        q, pieces = question_probe(keys.shape[1], keys.shape[3], keys.shape[2], seed)
-        return np.broadcast_to(-standardised_votes(reference_scores(keys, q, [list(pieces)], LOCAL)), squared.shape)
     raise AssertionError(f"no numpy reference for the rule {keep!r}: write one here")
 
 
@@ -247,59 +236,3 @@ def test_presets_are_layouts_the_fields_override():
     assert (intrinsic.keep, intrinsic.early_rule(), intrinsic.coverage) == ("blend", "leverage", 0.25)
     assert intrinsic.resolved(30).layers == tuple((64, 32) for _ in range(30))  # every layer bounded, the recent half
     assert set(PRESETS) == {"paper", "retrieval", "summarize", "question", "intrinsic", "auto"}
-
-
-def _shared_layers(keys_per_layer, seed, budget=BUDGET):
-    """question_shared caches, one per layer, on one board (as set_probe gives them)."""
-    from knorm_gen.cache import set_probe
-
-    caches = [L2NormKVCache(budget, N_SINK, RECENT, "question_shared") for _ in keys_per_layer]
-    probes = []
-    for i, k in enumerate(keys_per_layer):
-        q, pieces = question_probe(k.shape[1], k.shape[3], k.shape[2], seed + i)
-        probes.append((mx.array(q), mx.array(pieces)[None]))
-    return set_probe(caches, probes), probes
-
-
-def test_shared_layers_hold_a_block_until_all_voted_then_keep_the_best_votes():
-    # Two layers with their own keys and probes: the first holds its block whole until the
-    # second has voted; then both keep the same positions, the best of the float64 votes of
-    # every head of both layers (numpy reference), sinks and the recent window protected.
-    layers = [distinct_norm_keys(T, np.random.default_rng(20 + i), heads=2) for i in range(2)]
-    caches, probes = _shared_layers(layers, seed=5)
-    caches[0].update_and_fetch(mx.array(layers[0]), mx.array(layers[0]))
-    assert caches[0].count == T  # held whole: layer 1 has not voted yet
-    caches[1].update_and_fetch(mx.array(layers[1]), mx.array(layers[1]))
-    assert caches[0].count == caches[1].count == BUDGET
-    votes = np.maximum(*[standardised_votes(reference_scores(k, np.array(p[0]), [list(np.array(p[1])[0])], LOCAL))
-                         for k, p in zip(layers, probes)])[0, 0]
-    protected = set(range(N_SINK)) | set(range(T - RECENT, T))
-    scored = {p: -float(votes[p]) for p in range(T)}
-    first = kept_positions(caches[0])[0, 0]
-    assert_best_up_to_near_ties(list(first), scored, protected, BUDGET, "shared")
-    for c in caches:  # one selection: every head of every shared layer keeps the same positions
-        got = kept_positions(c)
-        for h in range(2):
-            assert list(got[0, h]) == list(first)
-
-
-def test_a_shared_layer_alone_votes_alone_and_copies_share_a_new_board():
-    from knorm_gen.cache import copy_caches
-
-    layers = [distinct_norm_keys(T, np.random.default_rng(30 + i), heads=2) for i in range(2)]
-    caches, _ = _shared_layers(layers, seed=8)
-    half = T // 2
-    for c, k in zip(caches, layers):
-        c.update_and_fetch(mx.array(k[:, :, :half]), mx.array(k[:, :, :half]))
-    copies = copy_caches(caches)
-    assert copies[0].board is copies[1].board and copies[0].board is not caches[0].board
-    # the copies keep voting together: the second block settles only when both copies voted
-    copies[0].update_and_fetch(mx.array(layers[0][:, :, half:]), mx.array(layers[0][:, :, half:]))
-    assert copies[0].count > BUDGET and caches[0].count <= BUDGET
-    copies[1].update_and_fetch(mx.array(layers[1][:, :, half:]), mx.array(layers[1][:, :, half:]))
-    assert copies[0].count == copies[1].count == BUDGET
-    assert (kept_positions(copies[0]) == kept_positions(copies[1])).all()
-    # a lone copy (EvictionKVCache.copy) votes alone and evicts at once
-    lone = caches[0].copy()
-    lone.update_and_fetch(mx.array(layers[0][:, :, half:]), mx.array(layers[0][:, :, half:]))
-    assert lone.board is None and lone.count == BUDGET

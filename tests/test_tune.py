@@ -421,3 +421,38 @@ def test_perplexity_measures_a_question_arm_probed_by_the_end_of_its_text(tiny_m
     assert got["question"]["nll"] == pytest.approx(want, rel=1e-4)
     full = _nll_at(model(mx.array(ids)[None]), ids, len(head), len(ids))
     assert got["full"]["nll"] == pytest.approx(full, rel=1e-4)
+
+
+def test_prompt_mode_runs_a_whole_prompt_as_generate_with_eviction_does(tiny_model_dir, monkeypatch):
+    # The pass key asked inside one prompt, "prompt" mode: the ids are the chat template's own
+    # rendering of the user's text; the template around it is pinned (the user's text is the one
+    # evictable span), and under a probed rule the last token too, as the product's Request pins it.
+    import knorm_gen.tune
+    from knorm_gen.scores import ALL_EVICTABLE
+    from knorm_gen.tune import KEY_QUESTION, Tuner, product_prompt
+
+    model, tok = load_model(str(tiny_model_dir))
+    text = "Gulls cry over the pier at noon. " * 20 + " The pass key is 12345. " + "Ships come in. " * 20
+    prompt = text + "\n\n" + KEY_QUESTION
+    rendered = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                       tokenize=False)
+    want_ids = tok.encode(rendered, add_special_tokens=False)
+    for arm, pinned_last in (("question_rec25", True), ("random", False)):
+        config = EvictionConfig(budget=64, **CANDIDATES[arm]).resolved(len(model.layers), tuple(range(len(model.layers))))
+        ids, spans = product_prompt(tok, prompt, True, config)
+        assert ids == want_ids
+        (start, end), = spans
+        assert tok.decode(ids[start:]).startswith(prompt[:20]) and "<|im_start|>user" in tok.decode(ids[:start])
+        assert end == start + len(tok.encode(prompt, add_special_tokens=False))  # the template's end is pinned
+        # completion style: every token evictable, but a probed rule's last token (and answer)
+        ids, spans = product_prompt(tok, prompt, False, config)
+        assert ids == tok.encode(prompt, add_special_tokens=True)
+        assert spans == (((0, len(ids) - 1),) if pinned_last else ALL_EVICTABLE)
+    # through the tuner: the prompt mode asks the key of the full cache and of each arm
+    seen = []
+    real = knorm_gen.tune.prefill
+    monkeypatch.setattr(knorm_gen.tune, "prefill", lambda m, ids, caches, step: seen.append(list(ids)) or
+                        real(m, ids, caches, step))
+    rows = Tuner(model, tok, {"random": CANDIDATES["random"]}, modes=("prompt",)).passkey("d", text, "12345", 0.5)
+    assert {(r["arm"], r["mode"]) for r in rows} == {("full", "prompt"), ("random", "prompt")}
+    assert seen == [want_ids[:-1], want_ids[:-1]]
