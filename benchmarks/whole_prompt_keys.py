@@ -69,8 +69,16 @@ def main(argv=None) -> None:
     ap.add_argument("--ratio", type=float, default=4.0)
     ap.add_argument("--layout", default="question_rec25")
     ap.add_argument("--arms", default="full,strict,product,oracle")
+    ap.add_argument("--tail", type=int, default=0, help="a prompt without questions is probed by its last N "
+                    "tokens (0: knorm_gen.question.PROMPT_TAIL)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
+    if args.tail:
+        import functools
+
+        import knorm_gen.cache
+        from knorm_gen.question import make_probe
+        knorm_gen.cache.make_probe = functools.partial(make_probe, tail=args.tail)
     model, tok = load_model(None if args.model == "default" else args.model)
     tok = as_tokenizer(tok)
     chat = has_chat_template(tok)
