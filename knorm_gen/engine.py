@@ -39,6 +39,12 @@ DEFAULT_BATCH_SIZE = 8
 """Rows decoded together by default (benchmarks/bench_batch.py; README, Results)."""
 
 
+def needs_probe(eviction: Any) -> bool:
+    """Whether a resolved layout ranks any layer against a probe of the instructions
+    (a rule in :data:`~knorm_gen.scores.PROBED`, ``keep="question"``)."""
+    return any(r in PROBED for r in (eviction.keep, *(eviction.layer_keep or {}).values()))
+
+
 def prefill(model: Any, ids: Sequence[int], caches: list, step: int = DEFAULT_PREFILL_STEP) -> list:
     """Feed ``ids`` through ``caches`` in ``step``-token blocks, as the product
     prefills a context (later blocks attend only to what earlier ones kept)."""
@@ -260,7 +266,7 @@ class Request:
     def __post_init__(self):
         if self.ids is None and self.spans == ALL_EVICTABLE:  # the questions and answers are never the document
             self.spans = ((0, len(self.context_ids)),)
-        elif self.ids and any(r in PROBED for r in (self.eviction.keep, *(self.eviction.layer_keep or {}).values())):
+        elif self.ids and needs_probe(self.eviction):
             # A probed prompt is prefilled alone and decoded pinned (a batch cache holds no probe), so its last
             # token and answer are pinned alone too, and admission and the ceiling count them.
             self.spans = pin_from(self.spans, len(self.ids) - 1)

@@ -33,11 +33,11 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from .cache import EvictionKVCache, copy_caches, make_eviction_cache, pin_caches, probe_caches
 from .config import DEFAULT_QUESTION_SEPARATOR, OLD_RECENT_SHARE, EvictionConfig
-from .engine import prefill
+from .engine import needs_probe, prefill
 from .memory import cache_stats
 from .mlx_compat import full_attention_layers, record_attention
 from .prompts import as_tokenizer, context_spans, encode_with_spans, has_chat_template, split_question_prompts
-from .scores import ALL_EVICTABLE, PROBED, pin_from
+from .scores import ALL_EVICTABLE, pin_from
 
 _OLD = OLD_RECENT_SHARE  # the recent window every layout had before recent_share (budget // 8)
 CANDIDATES: dict[str, dict] = {
@@ -138,7 +138,7 @@ def product_prompt(tok: Any, text: str, chat: bool, config: Any) -> tuple[list[i
     through the chat template, the template pinned and the user's text evictable; completion
     style, all of it; under a probed rule the last token and the answer pinned too."""
     ids, spans = encode_with_spans(tok, text, chat)
-    if config is not None and any(r in PROBED for r in (config.keep, *(config.layer_keep or {}).values())):
+    if config is not None and needs_probe(config):
         spans = pin_from(spans, len(ids) - 1)
     return ids, spans
 
