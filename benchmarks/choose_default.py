@@ -144,8 +144,7 @@ def main(argv=None) -> dict:
     tuner = Tuner(model, tok, arms, ratio=args.ratio, log=lambda m: print(m, file=sys.stderr, flush=True),
                   modes=args.modes.split(","))
     meta = dict(model=args.model, split=args.split, docs=[d.name for d in docs], doc_tokens=args.doc_tokens,
-                ratio=args.ratio, arms=arms, fillers=SPLIT_FILLERS[args.split],
-                sources=[d.source for d in split[args.skip : args.skip + args.docs]])
+                ratio=args.ratio, arms=arms, fillers=SPLIT_FILLERS[args.split])
 
     def save(rows):
         tmp = out.with_suffix(".tmp")

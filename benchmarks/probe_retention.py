@@ -23,7 +23,7 @@ each head alone (``base``), the best standardised score of the layer's heads
 (``shared``), of every head of every layer (``global``), of the layers up to this
 one (``causal``; ``causal_blockz`` standardised per 512-token block), or half the
 scored budget by ``shared``/``global`` and half by the head's own (``half``,
-``half_global``). Results: results/probe_retention-<model>-<set>.json.
+``half_global``). Results: results/key_retention-<model>-<split>.json.
 """
 import argparse
 import json
@@ -182,5 +182,5 @@ for name, context, key, depth in cases:
     print(name, depth, " ".join(f"{v}:{res[v][-1]['all']:.2f}/{res[v][-1]['top']:.2f}" for v in res), flush=True)
 print("MEAN", " ".join(f"{v}:{np.mean([r['all'] for r in res[v]]):.3f}/{np.mean([r['top'] for r in res[v]]):.3f}" for v in res))
 print("CASES top>=0.75", " ".join(f"{v}:{sum(r['top']>=0.75 for r in res[v])}/{len(res[v])}" for v in res))
-ap_out = Path(args.out or Path(__file__).parent / "results" / f"probe_retention-{args.model}-{args.split}.json")
+ap_out = Path(args.out or Path(__file__).parent / "results" / f"key_retention-{args.model}-{args.split}.json")
 ap_out.write_text(json.dumps(dict(variants=args.variants.split(","), readmes=args.readmes, cases=res), indent=1))
