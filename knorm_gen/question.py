@@ -22,11 +22,13 @@ measured it. What it does, in order:
 caches hold the result (:func:`knorm_gen.cache.set_probe`) and score each block
 against it (:func:`knorm_gen.scores.score_question`). It works best with questions asked
 apart from the document (``answer_questions``, question rows); a prompt is probed by the
-text after its document and the document's last :data:`PROMPT_TAIL` tokens.
+text after its document and the last paragraph of the document's last :data:`PROMPT_TAIL`
+tokens (all of them when they hold no blank line): a question written after the text.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
@@ -145,16 +147,34 @@ def question_scores(keys: mx.array, queries: mx.array, segments: Optional[mx.arr
     return mx.swapaxes(best[flat].reshape(b, n, h), 1, 2)
 
 
+def last_paragraph(tokenizer: Any, ids: Sequence[int], start: int, end: int) -> int:
+    """The first position of ``ids[start:end]``'s last paragraph: after the last
+    blank line (a token, or two tokens in a row, holding line breaks with nothing
+    but spaces between them) that leaves at least one token after it; ``start``
+    when there is none."""
+    text = [tokenizer.decode([int(t)]) for t in ids[start:end]]
+    for j in range(len(text) - 2, -1, -1):
+        if re.search(r"\n[ \t]*\n", text[j]):
+            return start + j + 1
+        if text[j].rstrip(" \t").endswith("\n") and text[j + 1].lstrip(" \t").startswith("\n") and j + 2 < len(text):
+            return start + j + 2
+    return start
+
+
 def make_probe(model: Any, tokenizer: Any, ids: Sequence[int], spans: Sequence[tuple[int, int]],
                questions: Sequence[Sequence[int]] = (), draft: int = PROBE_DRAFT,
-               longest: int = SEGMENT_TOKENS, tail: int = PROMPT_TAIL) -> list[tuple[mx.array, mx.array]]:
+               longest: int = SEGMENT_TOKENS, tail: int = PROMPT_TAIL,
+               paragraph: bool = True) -> list[tuple[mx.array, mx.array]]:
     """Per layer ``(queries, pieces)`` for a prompt ``ids`` whose document lies in
     ``spans`` (the evictable positions; everything else is the job's): the probe
     queries of the text after the document and of each of ``questions`` (token ids
     asked after ``ids``; one probe pass each, their queries joined), and the prompt's
     sentence pieces ``(1, len(ids))``. Without ``questions`` the probe also reads the
     document's last ``tail`` tokens, where a question written into the prompt sits
-    (a whole prompt evictable, completion style, is probed by its end alone)."""
+    (a whole prompt evictable, completion style, is probed by its end alone); with
+    ``paragraph``, only their last paragraph (:func:`last_paragraph`) when they hold a
+    blank line: the rest of them is document, and its queries pull the selection
+    toward the text around them."""
     ids = [int(t) for t in ids]
     if not ids:
         raise ValueError("an empty prompt has nothing to probe")
@@ -162,7 +182,10 @@ def make_probe(model: Any, tokenizer: Any, ids: Sequence[int], spans: Sequence[t
     start, end = (spans[0][0], spans[-1][1]) if spans else (0, len(ids))
     asks = [list(q) for q in questions]
     if not asks:  # a prompt: its end holds the question; its first tokens (a BOS, the template's start) are run
-        end = max(start, end - tail)
+        cut = max(start, end - tail)
+        if paragraph:  # the tail's last paragraph alone, when it has one: a question written after the text
+            cut = max(cut, min(last_paragraph(tokenizer, ids, cut, end), end - 1))
+        end = cut
         start = min(max(start, PROBE_SINK), end)
         asks = [[]]
     per_ask = [probe_queries(model, ids, start, end, q, draft) for q in asks]

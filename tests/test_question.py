@@ -260,6 +260,44 @@ def test_a_prompt_without_questions_is_probed_by_its_end(tiny_loaded):
         make_probe(model, tok, [], ALL_EVICTABLE)
 
 
+def test_a_prompt_is_probed_by_the_last_paragraph_of_its_end(tiny_loaded):
+    # a question written after a blank line: the probe runs that paragraph alone, exactly as if the
+    # text before it were the document (the position found here from the decoded text, not by the code)
+    from knorm_gen.question import PROMPT_TAIL, make_probe
+    from knorm_gen.scores import ALL_EVICTABLE
+
+    model, tok = tiny_loaded
+    ids = tok.encode(CONTEXT + "\n\n" + QUESTION, add_special_tokens=False)
+    assert len(ids) > PROMPT_TAIL  # the tail is the prompt's last PROMPT_TAIL tokens
+    cut = next(i for i in range(len(ids)) if tok.decode(ids[:i]).endswith("\n\n"))
+    assert tok.decode(ids[cut:]) == QUESTION and len(ids) - cut < PROMPT_TAIL
+    probe = make_probe(model, tok, ids, ALL_EVICTABLE, draft=3)
+    as_instructions = make_probe(model, tok, ids, [(0, cut)], [], draft=3, tail=0)
+    whole_tail = make_probe(model, tok, ids, ALL_EVICTABLE, draft=3, paragraph=False)
+    for (q, _), (r, _), (w, _) in zip(probe, as_instructions, whole_tail):
+        np.testing.assert_array_equal(np.array(q), np.array(r))
+        assert q.shape[2] < w.shape[2]
+
+
+@pytest.mark.parametrize("pieces, want", [
+    (["Some", " text", ".\n\n", "What", "?"], 3),          # a blank line inside one token
+    (["Some", " text", ".\n", "\n", "What", "?"], 4),        # across two tokens
+    (["Some", ".\n", " \n", "Who", "\n\n", "Why", "?"], 5),  # the last blank line wins
+    (["Some", " text", ".\n", "What", "?"], 0),             # one line break is no paragraph
+    (["Some", " text", ".", "\n\n"], 0),                   # nothing after the blank line
+])
+def test_last_paragraph_starts_after_the_last_blank_line(pieces, want):
+    from knorm_gen.question import last_paragraph
+
+    class Pieces:  # a tokenizer whose token i decodes to pieces[i]
+        def decode(self, ids):
+            return "".join(pieces[i] for i in ids)
+
+    assert last_paragraph(Pieces(), list(range(len(pieces))), 0, len(pieces)) == want
+    pieces = ["Before.\n\n", *pieces]  # a blank line before the span is not the span's
+    assert last_paragraph(Pieces(), list(range(len(pieces))), 1, len(pieces)) == want + 1
+
+
 def _numpy_low_kept(keys: np.ndarray, budget: int, n_sink: int, recent: int) -> list[list[int]]:
     """Independent reference: per head, the sinks, the recent window, then the lowest
     squared norms of the rest up to the budget (one block, every position evictable)."""
