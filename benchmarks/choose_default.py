@@ -127,10 +127,22 @@ def main(argv=None) -> dict:
     ap.add_argument("--modes", default="ctq", help="pass-key modes: ctq (context, then the pinned question), "
                     "whole (one prompt, nothing pinned, the chat template's tokens too), prompt (one prompt as "
                     "generate_with_eviction runs it: the chat template pinned)")
+    ap.add_argument("--fidelity-mode", choices=("ctq", "prompt"), default="ctq", help="fidelity: the summary "
+                    "question asked after the context (ctq), or written into the prompt after the document, the "
+                    "prompt run as generate_with_eviction runs it (prompt)")
+    ap.add_argument("--prompt-probe", choices=("paragraph", "tail"), default="paragraph", help="a prompt without "
+                    "questions asked apart is probed by the last paragraph of its last tokens (paragraph, since 0.8) "
+                    "or by all of them (tail, 0.7)")
     ap.add_argument("--mix-from", default="", help="a knorm-tune --out file: its per-layer mix is the arm 'mix'")
     ap.add_argument("--add-to", default="", help="a results file to continue (its finished cases are kept)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
+    if args.prompt_probe == "tail":
+        import functools
+
+        import knorm_gen.cache
+        from knorm_gen.question import make_probe
+        knorm_gen.cache.make_probe = functools.partial(make_probe, paragraph=False)
     model, tok = load_model(None if args.model == "default" else args.model)
     if args.readmes:
         split = installed_readmes(args.readmes.split(","))
@@ -143,6 +155,7 @@ def main(argv=None) -> dict:
     done = json.loads(Path(args.add_to).read_text())["rows"] if args.add_to else []
     tuner = Tuner(model, tok, arms, ratio=args.ratio, log=lambda m: print(m, file=sys.stderr, flush=True),
                   modes=args.modes.split(","))
+    tuner.fidelity_mode = args.fidelity_mode
     meta = dict(model=args.model, split=args.split, docs=[d.name for d in docs], doc_tokens=args.doc_tokens,
                 ratio=args.ratio, arms=arms, fillers=SPLIT_FILLERS[args.split])
 

@@ -71,14 +71,18 @@ def main(argv=None) -> None:
     ap.add_argument("--arms", default="full,strict,product,oracle")
     ap.add_argument("--tail", type=int, default=0, help="a prompt without questions is probed by its last N "
                     "tokens (0: knorm_gen.question.PROMPT_TAIL)")
+    ap.add_argument("--prompt-probe", choices=("paragraph", "tail"), default="paragraph", help="a prompt without "
+                    "questions is probed by the last paragraph of its last tokens (paragraph, since 0.8) or by all "
+                    "of them (tail, 0.7)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    if args.tail:
+    if args.tail or args.prompt_probe == "tail":
         import functools
 
         import knorm_gen.cache
-        from knorm_gen.question import make_probe
-        knorm_gen.cache.make_probe = functools.partial(make_probe, tail=args.tail)
+        from knorm_gen.question import PROMPT_TAIL, make_probe
+        knorm_gen.cache.make_probe = functools.partial(make_probe, tail=args.tail or PROMPT_TAIL,
+                                                       paragraph=args.prompt_probe == "paragraph")
     model, tok = load_model(None if args.model == "default" else args.model)
     tok = as_tokenizer(tok)
     chat = has_chat_template(tok)

@@ -593,7 +593,8 @@ def tune_command(docs: Optional[str], model: str, context_field: str, budget: Op
     """Measure eviction layouts on YOUR model (and your documents, DOCS: JSONL rows
     with the document in --context-field) on three tasks at equal budget, through
     the product's own prefill: summary fidelity (the full cache's own summary,
-    teacher-forced), pass keys placed inside the documents and in repeated filler,
+    teacher-forced), pass keys placed inside the documents and in repeated filler
+    (a filler's also asked inside one prompt, as generate_with_eviction runs it),
     and perplexity: one prefill per layout and document serves all three. Prints
     the table (the chosen layout first), saves the choice as this model's tuning
     (used by --preset auto and knorm_gen.tuned_config) and, with --out, the JSON.

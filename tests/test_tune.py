@@ -297,6 +297,15 @@ def test_the_sweep_at_the_tuned_ratio_repeats_the_tuning_and_budgets_follow_the_
     assert sweep["arm"] == record["chosen"] == "low_cov25" and [p["ratio"] for p in sweep["points"]] == [4.0, 2.0]
     at_2 = sweep["points"][1]["budget"]
     assert sweep["points"][0]["budget"] == record["budget"] and abs(at_2 - 2 * record["budget"]) <= 1
+    # a filler's key is asked twice: after the context (question pinned) and inside one prompt as the product
+    # runs it; a document's after the context
+    asked = {}
+    for r in record["rows"]:
+        if r["task"] == "passkey":
+            asked.setdefault((r["doc"], r["arm"]), set()).add(r["mode"])
+    fillers = {d for d, _ in asked if d.startswith("filler:")}
+    assert fillers and len(fillers) < len({d for d, _ in asked})
+    assert all(m == ({"ctq", "prompt"} if d in fillers else {"ctq"}) for (d, _), m in asked.items())
     at_4 = sweep["points"][0]  # the same cases and seeds as the tuning itself
     assert at_4["recovered"] == pytest.approx(record["table"]["low_cov25"]["recovered"], abs=1e-6)
     assert at_4["keys_of_full"] == record["table"]["low_cov25"]["keys_of_full"]
