@@ -294,9 +294,10 @@ class EvictionConfig:
     full-attention layer. It was chosen on a tuning split and checked on documents and
     fillers held out from it (benchmarks/choose_default.py; docs/results.md): every
     intrinsic layout (the key's norm, KeyDiff, the blend, leverage, coverage) lost the
-    pass keys planted inside real prose; this one found 0.85x of the full cache's on
-    SmolLM2's ten held-out documents and two fillers and 0.83x on Gemma 3's, at random
-    eviction's summary fidelity or above. A cache that is never probed (a plain mlx_lm loop without
+    pass keys planted inside real prose; this one found 0.89x of the full cache's on
+    SmolLM2's ten held-out documents and two fillers and 0.92x on Gemma 3's (each key
+    asked after the context and inside one prompt; 0.8), at random eviction's summary
+    fidelity or above. A cache that is never probed (a plain mlx_lm loop without
     :func:`~knorm_gen.cache.probe_caches`) ranks by the key norm and warns.
     ``skip_layers`` are left uncompressed (their
     memory grows with the input); ``None`` means :func:`early_layers`: the first 30%
