@@ -133,6 +133,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-probe", choices=("paragraph", "tail"), default="paragraph", help="a prompt without "
                     "questions asked apart is probed by the last paragraph of its last tokens (paragraph, since 0.8) "
                     "or by all of them (tail, 0.7)")
+    ap.add_argument("--probe-sink", type=int, default=-1, help="the first tokens a prompt's probe runs before "
+                    "its document (knorm_gen.question.PROBE_SINK; -1: the product's)")
     ap.add_argument("--mix-from", default="", help="a knorm-tune --out file: its per-layer mix is the arm 'mix'")
     ap.add_argument("--add-to", default="", help="a results file to continue (its finished cases are kept)")
     ap.add_argument("--out", default="")
@@ -143,6 +145,10 @@ def main(argv=None) -> dict:
         import knorm_gen.cache
         from knorm_gen.question import make_probe
         knorm_gen.cache.make_probe = functools.partial(make_probe, paragraph=False)
+    if args.probe_sink >= 0:
+        import knorm_gen.question
+
+        knorm_gen.question.PROBE_SINK = args.probe_sink
     model, tok = load_model(None if args.model == "default" else args.model)
     if args.readmes:
         split = installed_readmes(args.readmes.split(","))
