@@ -184,7 +184,7 @@ def make_probe(model: Any, tokenizer: Any, ids: Sequence[int], spans: Sequence[t
     if not asks:  # a prompt: its end holds the question; its first tokens (a BOS, the template's start) are run
         cut = max(start, end - tail)
         if paragraph:  # the tail's last paragraph alone, when it has one: a question written after the text
-            cut = max(cut, min(last_paragraph(tokenizer, ids, cut, end), end - 1))
+            cut = last_paragraph(tokenizer, ids, cut, end)
         end = cut
         start = min(max(start, PROBE_SINK), end)
         asks = [[]]

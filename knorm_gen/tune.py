@@ -259,13 +259,12 @@ class Tuner:
         return rows
 
     # ---- pass keys ---------------------------------------------------------------
-    def passkey(self, name: str, context: str, key: str, depth: float,
-                modes: Optional[Sequence[str]] = None) -> list[dict]:
+    def passkey(self, name: str, context: str, key: str, depth: float) -> list[dict]:
         """The key asked for after the context: through the chat template when the model
         has one (an instruct model answers a question), else completion style; in each of
-        ``modes`` (None: the tuner's)."""
+        the tuner's ``modes`` (tuners sharing ``full_rows`` share the full cache's rows per modes)."""
         tok, model = self.tok, self.model
-        modes = self.modes if modes is None else tuple(modes)
+        modes = self.modes
         question = KEY_QUESTION if self.chat else KEY_CUE
         prefix, (q_ids,) = split_question_prompts(tok, context, [question], chat=self.chat)
         spans = context_spans(tok, context, prefix, chat=self.chat)
