@@ -106,6 +106,32 @@ def report(paths, first: str = "question_rec25") -> str:
     return "\n".join(out)
 
 
+def reuse_full_rows(tuner: Tuner, pattern: str, model: str, modes: tuple) -> None:
+    """Answer the full cache's pass-key cases from earlier results files of this model
+    (``pattern``, a glob) where each mode asked was run there; a reused row whose prompt
+    length differs from this run's is an error (not the same case)."""
+    import glob
+
+    have: dict[tuple, dict] = {}
+    for path in sorted(glob.glob(pattern)):
+        d = json.loads(Path(path).read_text())
+        if d.get("model") == model:
+            have.update({(r["doc"], r["key"], r["depth"], r.get("mode", "ctq")): r for r in d["rows"]
+                         if r["task"] == "passkey" and r["arm"] == "full"})
+    real = tuner.passkey
+
+    def passkey(name, context, key, depth):
+        found = [have.get((name, key, depth, m)) for m in modes]
+        if all(found):
+            tuner.full_rows["passkey", name, key, depth, len(context), modes] = ([], [dict(r) for r in found])
+        rows = real(name, context, key, depth)
+        if len({r["tokens"] for r in rows}) > 1:
+            raise SystemExit(f"--full-from: {name} {key} was run on a prompt of another length there")
+        return rows
+
+    tuner.passkey = passkey
+
+
 def main(argv=None) -> dict:
     if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--report":
         print(report(sys.argv[2:]))
@@ -135,6 +161,8 @@ def main(argv=None) -> dict:
                     "or by all of them (tail, 0.7)")
     ap.add_argument("--probe-sink", type=int, default=-1, help="the first tokens a prompt's probe runs before "
                     "its document (knorm_gen.question.PROBE_SINK; -1: the product's)")
+    ap.add_argument("--full-from", default="", help="results files (a glob) whose full-cache pass-key rows stand in "
+                    "for running the full cache again on the same cases (it does not depend on the arms)")
     ap.add_argument("--mix-from", default="", help="a knorm-tune --out file: its per-layer mix is the arm 'mix'")
     ap.add_argument("--add-to", default="", help="a results file to continue (its finished cases are kept)")
     ap.add_argument("--out", default="")
@@ -162,6 +190,8 @@ def main(argv=None) -> dict:
     tuner = Tuner(model, tok, arms, ratio=args.ratio, log=lambda m: print(m, file=sys.stderr, flush=True),
                   modes=args.modes.split(","))
     tuner.fidelity_mode = args.fidelity_mode
+    if args.full_from:
+        reuse_full_rows(tuner, args.full_from, args.model, tuple(args.modes.split(",")))
     meta = dict(model=args.model, split=args.split, docs=[d.name for d in docs], doc_tokens=args.doc_tokens,
                 ratio=args.ratio, arms=arms, fillers=SPLIT_FILLERS[args.split])
 

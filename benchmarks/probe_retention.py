@@ -137,7 +137,7 @@ for name, context, key, depth in cases:
         tot = 0
         S = {}
         for li in full_layers:
-            qs, pieces = probe[li]
+            qs, pieces, _ = probe[li]
             k = calls[li][1][:, :, :n]
             S[li] = scores(k, qs, np.array(pieces)[0, :n], p.get("local", Q.LOCAL), p.get("agg", "max"))
         sel = p.get("sel", "own")

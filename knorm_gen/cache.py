@@ -94,9 +94,9 @@ class EvictionKVCache(_BaseCache):
         # The running state of the rules in scores.RUNNING over every token seen, float32:
         # keydiff/blend the sum of the unit keys (B, H, D), leverage its scatter, inverse and mean.
         self.key_sum: Optional[mx.array] = None
-        # keep="question" (scores.PROBED): the probe of the job's instructions, (queries, pieces)
+        # keep="question" (scores.PROBED): the probe of the job's instructions, (queries, pieces, repeated)
         # (set_probe), fixed; dropped when the cache is pinned, as no later token is evictable.
-        self.probe: Optional[tuple[mx.array, mx.array]] = None
+        self.probe: Optional[tuple[mx.array, mx.array, mx.array]] = None
 
     # ---- mlx_lm protocol -------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -188,7 +188,7 @@ class EvictionKVCache(_BaseCache):
             return 0
         state = 0 if self.key_sum is None else self.key_sum.nbytes
         if self.probe is not None:
-            state += self.probe[0].nbytes + self.probe[1].nbytes
+            state += sum(x.nbytes for x in self.probe)
         return quant.nbytes(self.keys) + quant.nbytes(self.values) + self.rank.nbytes + state
 
     def is_trimmable(self) -> bool:
@@ -818,7 +818,7 @@ def make_eviction_cache(model: nn.Module, config: Union[EvictionConfig, Resolved
     return [layer(i, c, plan) for i, (c, plan) in enumerate(zip(caches, config.layers))]
 
 
-def set_probe(caches: Sequence[Any], probe: Sequence[tuple[mx.array, mx.array]]) -> list:
+def set_probe(caches: Sequence[Any], probe: Sequence[tuple[mx.array, mx.array, mx.array]]) -> list:
     """Hand each eviction layer whose rule is in :data:`~knorm_gen.scores.PROBED`
     (``keep="question"``) its layer's probe (:func:`knorm_gen.question.make_probe`);
     returns the list."""

@@ -45,6 +45,15 @@ SEGMENT_TOKENS = 16
 LOCAL = 64
 """Positions either side whose mean score a key's score is measured against."""
 
+REPEAT_SHORTEST = 4
+"""A sentence piece of at least this many tokens that repeats an earlier piece token for token
+ranks after every piece that does not (:func:`repeated_pieces`): shorter ones (a line break, a
+code fence) repeat in any text."""
+
+REPEAT_PENALTY = 1e5
+"""Taken from a repeated piece's score: more than any score spans (a unit query's dot product
+is at most the key's norm), so such pieces rank after the rest and still in their own order."""
+
 PROBE_SINK = 4
 """A prompt probed without questions always runs its first tokens, as the cache always keeps its
 sinks: without a BOS or the template's start (a prompt all evictable) the probe lost every key on SmolLM2."""
@@ -147,6 +156,26 @@ def question_scores(keys: mx.array, queries: mx.array, segments: Optional[mx.arr
     return mx.swapaxes(best[flat].reshape(b, n, h), 1, 2)
 
 
+def repeated_pieces(ids: Sequence[int], pieces: np.ndarray, shortest: int = REPEAT_SHORTEST) -> np.ndarray:
+    """Per token of ``ids``, whether its sentence piece (``pieces``, :func:`segment_ids`)
+    has at least ``shortest`` tokens and repeats, token for token, a piece earlier in
+    ``ids``: text repeated word for word (a filler, boilerplate) holds nothing its first
+    copy does not."""
+    ids = np.asarray([int(t) for t in ids], dtype=np.int64)
+    pieces = np.asarray(pieces).reshape(-1)
+    out = np.zeros(len(ids), dtype=bool)
+    seen: set = set()
+    cuts = np.flatnonzero(np.diff(pieces)) + 1
+    for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(ids)]):
+        if b - a < shortest:
+            continue
+        text = tuple(ids[a:b].tolist())
+        if text in seen:
+            out[a:b] = True
+        seen.add(text)
+    return out
+
+
 def last_paragraph(tokenizer: Any, ids: Sequence[int], start: int, end: int) -> int:
     """The first position of ``ids[start:end]``'s last paragraph: after the last
     blank line (a token, or two tokens in a row, holding line breaks with nothing
@@ -164,8 +193,8 @@ def last_paragraph(tokenizer: Any, ids: Sequence[int], start: int, end: int) -> 
 def make_probe(model: Any, tokenizer: Any, ids: Sequence[int], spans: Sequence[tuple[int, int]],
                questions: Sequence[Sequence[int]] = (), draft: int = PROBE_DRAFT,
                longest: int = SEGMENT_TOKENS, tail: int = PROMPT_TAIL,
-               paragraph: bool = True) -> list[tuple[mx.array, mx.array]]:
-    """Per layer ``(queries, pieces)`` for a prompt ``ids`` whose document lies in
+               paragraph: bool = True, repeats: bool = True) -> list[tuple[mx.array, mx.array, mx.array]]:
+    """Per layer ``(queries, pieces, repeated)`` for a prompt ``ids`` whose document lies in
     ``spans`` (the evictable positions; everything else is the job's): the probe
     queries of the text after the document and of each of ``questions`` (token ids
     asked after ``ids``; one probe pass each, their queries joined), and the prompt's
@@ -174,7 +203,9 @@ def make_probe(model: Any, tokenizer: Any, ids: Sequence[int], spans: Sequence[t
     (a whole prompt evictable, completion style, is probed by its end alone); with
     ``paragraph``, only their last paragraph (:func:`last_paragraph`) when they hold a
     blank line: the rest of them is document, and its queries pull the selection
-    toward the text around them."""
+    toward the text around them. ``repeated`` ``(1, len(ids))``: the tokens of pieces
+    that repeat an earlier one (:func:`repeated_pieces`; all False without ``repeats``),
+    which the rule keeps last."""
     ids = [int(t) for t in ids]
     if not ids:
         raise ValueError("an empty prompt has nothing to probe")
@@ -189,6 +220,8 @@ def make_probe(model: Any, tokenizer: Any, ids: Sequence[int], spans: Sequence[t
         start = min(max(start, PROBE_SINK), end)
         asks = [[]]
     per_ask = [probe_queries(model, ids, start, end, q, draft) for q in asks]
-    pieces = mx.array(segment_ids(tokenizer, ids, longest))[None]
-    return [(mx.concatenate([p[i] for p in per_ask], axis=2) if len(per_ask) > 1 else per_ask[0][i], pieces)
+    seg = segment_ids(tokenizer, ids, longest)
+    pieces = mx.array(seg)[None]
+    repeated = mx.array(repeated_pieces(ids, seg) if repeats else np.zeros(len(ids), dtype=bool))[None]
+    return [(mx.concatenate([p[i] for p in per_ask], axis=2) if len(per_ask) > 1 else per_ask[0][i], pieces, repeated)
             for i in range(len(per_ask[0]))]

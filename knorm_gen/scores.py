@@ -42,7 +42,7 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
-from .question import question_scores
+from .question import REPEAT_PENALTY, question_scores
 
 ScoreFn = Callable[[mx.array, mx.array, Optional[mx.array]], mx.array]
 
@@ -147,20 +147,25 @@ def score_leverage(keys: mx.array, positions: mx.array, anchor: Optional[mx.arra
 
 def score_question(keys: mx.array, positions: mx.array, anchor: Optional[tuple] = None) -> mx.array:
     """Minus the attention the job's instructions would give the key: ``anchor`` is
-    the probe ``(queries (B, H, M, D), pieces (B, P))`` of :func:`knorm_gen.question.make_probe`;
-    the score is :func:`knorm_gen.question.question_scores` with each token in its
-    sentence piece (a position past the probed prompt, a generated token, is a piece
-    of its own). Static: it depends on the key and the probe only."""
+    the probe ``(queries (B, H, M, D), pieces (B, P)[, repeated (B, P)])`` of
+    :func:`knorm_gen.question.make_probe`; the score is :func:`knorm_gen.question.question_scores`
+    with each token in its sentence piece (a position past the probed prompt, a generated
+    token, is a piece of its own), less :data:`~knorm_gen.question.REPEAT_PENALTY` in a
+    piece that repeats an earlier one. Static: it depends on the key and the probe only."""
     if anchor is None:
         raise ValueError("keep='question' scores keys against a probe of the job's instructions, and this cache has "
                          "none: run it through generate_with_eviction, answer_questions or knorm-batch, which probe "
                          "first, or set one with knorm_gen.cache.set_probe")
-    queries, pieces = anchor
+    queries, pieces, *repeated = anchor  # a probe made by hand may leave ``repeated`` out
     pos = positions[:, 0, :].astype(mx.int64)  # (B, N)
     last = pieces.shape[-1] - 1
     inside = mx.take_along_axis(pieces, mx.minimum(pos, last), axis=-1)
     seg = mx.where(pos <= last, inside, pieces[:, last:] + pos - last)
-    return -question_scores(keys, queries, seg)
+    s = question_scores(keys, queries, seg)
+    if not repeated:
+        return -s
+    again = mx.logical_and(pos <= last, mx.take_along_axis(repeated[0], mx.minimum(pos, last), axis=-1))
+    return -mx.where(again[:, None, :], s - REPEAT_PENALTY, s)
 
 
 SCORES: dict[str, ScoreFn] = {

@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from knorm_gen.mlx_compat import record_attention
-from knorm_gen.question import probe_queries, question_scores, segment_ids
+from knorm_gen.question import LOCAL, probe_queries, question_scores, repeated_pieces, segment_ids
 
 from .conftest import greedy_with_gaps, tiny_llama
 
@@ -69,6 +69,41 @@ def test_segment_ids_end_at_sentence_ends_and_at_the_longest_piece():
     assert segment_ids(tok, ids, longest=3).tolist() == [0, 0, 0, 1, 1, 1, 2, 3, 3, 3, 4, 4, 4, 5, 5]
     with pytest.raises(ValueError, match="at least one token"):
         segment_ids(tok, ids, longest=0)
+
+
+def test_repeated_pieces_mark_later_copies_of_pieces_long_enough():
+    # pieces: [the filler x4 tokens] [the filler again] ["\n" x1] ["\n" again] [the key] [the filler a third time]
+    words = [" It", " rained", " all", " day", ".", "\n", " key", " 81313", "."]
+    tok = _Tok(words)
+    filler, newline, key = [0, 1, 2, 3, 4], [5], [6, 7, 8]
+    ids = filler + filler + newline + newline + key + filler
+    pieces = segment_ids(tok, ids, longest=16)
+    want = [False] * 5 + [True] * 5 + [False, False] + [False] * 3 + [True] * 5  # the line break is too short
+    assert repeated_pieces(ids, pieces, shortest=4).tolist() == want
+    assert not repeated_pieces(ids, pieces, shortest=6).any()  # a 5-token piece is not long enough for 6
+
+
+def test_a_repeated_piece_ranks_after_every_piece_that_is_not():
+    from knorm_gen.scores import score_question
+
+    rng = np.random.default_rng(3)
+    keys = rng.normal(size=(1, 2, 12, 8)).astype(np.float32)
+    queries = rng.normal(size=(1, 2, 3, 8)).astype(np.float32)
+    queries /= np.linalg.norm(queries, axis=-1, keepdims=True)
+    segments = [[0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]]
+    repeated = np.array([[False, False, False, True, True, True, False, False, False, True, True, True]])
+    plain = reference_scores(keys, queries, segments, LOCAL)[0]  # (H, N), higher kept first
+    positions = mx.arange(12)[None, None, :]
+    got = -np.array(score_question(mx.array(keys), positions,
+                                   (mx.array(queries), mx.array(segments), mx.array(repeated))))[0]
+    for h in range(2):
+        assert got[h, ~repeated[0]].min() > got[h, repeated[0]].max()
+        # within each group the order is the plain score's
+        for group in (~repeated[0], repeated[0]):
+            assert np.argsort(got[h, group], kind="stable").tolist() == np.argsort(plain[h, group], kind="stable").tolist()
+    # a probe made by hand without the flags scores as before
+    alone = -np.array(score_question(mx.array(keys), positions, (mx.array(queries), mx.array(segments))))[0]
+    np.testing.assert_allclose(alone, plain, rtol=1e-4, atol=1e-4)
 
 
 def _recorded_queries(model, blocks, draft):
@@ -250,7 +285,7 @@ def test_a_prompt_without_questions_is_probed_by_its_end(tiny_loaded):
     cut = len(ids) - PROMPT_TAIL
     as_instructions = make_probe(model, tok, ids, [(0, cut)], [], draft=3, tail=0)
     with_document = _recorded_queries(model, [ids[:cut], ids[cut:]], draft=3)
-    for (q, _), (r, _), w in zip(probe, as_instructions, with_document):
+    for (q, *_), (r, *_), w in zip(probe, as_instructions, with_document):
         np.testing.assert_array_equal(np.array(q), np.array(r))
         assert not np.allclose(np.array(q), w, atol=1e-3)  # the document before the tail is never run
     r = generate_with_eviction(model, tok, CONTEXT + " " + QUESTION, preset="question", budget=BUDGET,
@@ -274,7 +309,7 @@ def test_a_prompt_is_probed_by_the_last_paragraph_of_its_end(tiny_loaded):
     probe = make_probe(model, tok, ids, ALL_EVICTABLE, draft=3)
     as_instructions = make_probe(model, tok, ids, [(0, cut)], [], draft=3, tail=0)
     whole_tail = make_probe(model, tok, ids, ALL_EVICTABLE, draft=3, paragraph=False)
-    for (q, _), (r, _), (w, _) in zip(probe, as_instructions, whole_tail):
+    for (q, *_), (r, *_), (w, *_) in zip(probe, as_instructions, whole_tail):
         np.testing.assert_array_equal(np.array(q), np.array(r))
         assert q.shape[2] < w.shape[2]
 
