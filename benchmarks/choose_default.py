@@ -161,18 +161,21 @@ def main(argv=None) -> dict:
                     "or by all of them (tail, 0.7)")
     ap.add_argument("--probe-sink", type=int, default=-1, help="the first tokens a prompt's probe runs before "
                     "its document (knorm_gen.question.PROBE_SINK; -1: the product's)")
+    ap.add_argument("--repeats", choices=("last", "scored"), default="last", help="the question rule's sentence "
+                    "pieces that repeat an earlier one: kept last (since 0.9) or scored like the rest (0.8)")
     ap.add_argument("--full-from", default="", help="results files (a glob) whose full-cache pass-key rows stand in "
                     "for running the full cache again on the same cases (it does not depend on the arms)")
     ap.add_argument("--mix-from", default="", help="a knorm-tune --out file: its per-layer mix is the arm 'mix'")
     ap.add_argument("--add-to", default="", help="a results file to continue (its finished cases are kept)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    if args.prompt_probe == "tail":
+    if args.prompt_probe == "tail" or args.repeats == "scored":
         import functools
 
         import knorm_gen.cache
         from knorm_gen.question import make_probe
-        knorm_gen.cache.make_probe = functools.partial(make_probe, paragraph=False)
+        knorm_gen.cache.make_probe = functools.partial(make_probe, paragraph=args.prompt_probe != "tail",
+                                                       repeats=args.repeats != "scored")
     if args.probe_sink >= 0:
         import knorm_gen.question
 

@@ -52,10 +52,12 @@ DEV = {  # long sentences like the unseen ones, to try a change on before measur
     "river": "The river ran slowly past the old mill, and the children threw stones into the water all afternoon. ",
 }
 
+ALL = {**UNSEEN, **DEV, **TUNING}
+
 
 def filler(name: str, tok, n_tokens: int) -> str:
     """``name`` (one of :data:`UNSEEN`, :data:`DEV` or :data:`TUNING`) repeated to ``n_tokens``."""
-    one = {**UNSEEN, **DEV, **TUNING}[name]
+    one = ALL[name]
     per = len(tok.encode(one, add_special_tokens=False))
     return one * max(1, n_tokens // per)
 
@@ -87,6 +89,10 @@ def main(argv=None) -> dict:
     out = Path(args.out or RESULTS / f"unseen_fillers-{args.model}.json")
     rows = json.loads(Path(args.add_to).read_text())["rows"] if args.add_to else []
     done = {(r["filler"], r["tokens"], r["depth"], r["mode"], r["arm"]) for r in rows}
+    unknown = [n for n in args.fillers.split(",") if n not in ALL]
+    if unknown:
+        ap.error(f"--fillers: unknown {', '.join(unknown)}; choose from {', '.join(ALL)}")
+    used = {name: ALL[name] for name in args.fillers.split(",")}
     rng = random.Random(7)
     cases = [(f, int(n), float(d), str(rng.randint(10000, 99999)))
              for f in args.fillers.split(",") for n in args.tokens.split(",") for d in args.depths.split(",")]
@@ -114,7 +120,7 @@ def main(argv=None) -> dict:
                                  seconds=round(time.perf_counter() - tic, 2)))
                 print(f"{f} {n} {depth} {mode} {arm}: {'ok' if key in r.text else 'MISS'} {r.text[:40]!r}",
                       file=sys.stderr, flush=True)
-                out.write_text(json.dumps(dict(model=args.model, ratio=args.ratio, fillers=UNSEEN, rows=rows),
+                out.write_text(json.dumps(dict(model=args.model, ratio=args.ratio, fillers=used, rows=rows),
                                           indent=1))
     summary = {}
     for mode in args.modes.split(","):
@@ -126,7 +132,7 @@ def main(argv=None) -> dict:
             asked = sum(r["mode"] == mode and r["arm"] == arm for r in rows)
             summary[f"{mode}/{arm}"] = dict(found=len(got), asked=asked, of_full=len(got & full), full=len(full))
             print(f"{mode:6s} {arm:8s} found {len(got)}/{asked}, {len(got & full)} of the full cache's {len(full)}")
-    out.write_text(json.dumps(dict(model=args.model, ratio=args.ratio, fillers=UNSEEN, rows=rows,
+    out.write_text(json.dumps(dict(model=args.model, ratio=args.ratio, fillers=used, rows=rows,
                                    summary=summary), indent=1))
     return summary
 

@@ -294,9 +294,9 @@ class EvictionConfig:
     full-attention layer. It was chosen on a tuning split and checked on documents and
     fillers held out from it (benchmarks/choose_default.py; docs/results.md): every
     intrinsic layout (the key's norm, KeyDiff, the blend, leverage, coverage) lost the
-    pass keys planted inside real prose; this one found 0.89x of the full cache's on
-    SmolLM2's ten held-out documents and two fillers and 0.92x on Gemma 3's (each key
-    asked after the context and inside one prompt; 0.8), at random eviction's summary
+    pass keys planted inside real prose; this one found 0.93x of the full cache's on
+    SmolLM2's ten held-out documents and two fillers and 0.94x on Gemma 3's (each key
+    asked after the context and inside one prompt; 0.9), at random eviction's summary
     fidelity or above. A cache that is never probed (a plain mlx_lm loop without
     :func:`~knorm_gen.cache.probe_caches`) ranks by the key norm and warns.
     ``skip_layers`` are left uncompressed (their
