@@ -35,7 +35,7 @@ import knorm_gen  # noqa: F401  (BLAS preload first)
 from knorm_gen import EvictionConfig, answer_questions, generate_with_eviction
 from knorm_gen.models import load_model
 from knorm_gen.prompts import as_tokenizer, has_chat_template
-from knorm_gen.tune import FILLERS, KEY_CUE, KEY_QUESTION, with_needle
+from knorm_gen.tune import FILLERS, KEY_CUE, KEY_QUESTION, filler_text, with_needle
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -55,13 +55,6 @@ DEV = {  # long sentences like the unseen ones, to try a change on before measur
 ALL = {**UNSEEN, **DEV, **TUNING}
 
 
-def filler(name: str, tok, n_tokens: int) -> str:
-    """``name`` (one of :data:`UNSEEN`, :data:`DEV` or :data:`TUNING`) repeated to ``n_tokens``."""
-    one = ALL[name]
-    per = len(tok.encode(one, add_special_tokens=False))
-    return one * max(1, n_tokens // per)
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -76,6 +69,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--add-to", default="")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
+    unknown = [n for n in args.fillers.split(",") if n not in ALL]
+    if unknown:  # before any model work
+        ap.error(f"--fillers: unknown {', '.join(unknown)}; choose from {', '.join(ALL)}")
     if args.repeats == "scored":
         import functools
 
@@ -89,15 +85,12 @@ def main(argv=None) -> dict:
     out = Path(args.out or RESULTS / f"unseen_fillers-{args.model}.json")
     rows = json.loads(Path(args.add_to).read_text())["rows"] if args.add_to else []
     done = {(r["filler"], r["tokens"], r["depth"], r["mode"], r["arm"]) for r in rows}
-    unknown = [n for n in args.fillers.split(",") if n not in ALL]
-    if unknown:
-        ap.error(f"--fillers: unknown {', '.join(unknown)}; choose from {', '.join(ALL)}")
     used = {name: ALL[name] for name in args.fillers.split(",")}
     rng = random.Random(7)
     cases = [(f, int(n), float(d), str(rng.randint(10000, 99999)))
              for f in args.fillers.split(",") for n in args.tokens.split(",") for d in args.depths.split(",")]
     for f, n, depth, key in cases:
-        context = with_needle(filler(f, tok, n), depth, key)
+        context = with_needle(filler_text(ALL[f], tok, n), depth, key)
         context_tokens = len(tok.encode(context, add_special_tokens=False))
         budget = int(context_tokens / args.ratio)
         for mode in args.modes.split(","):
