@@ -163,6 +163,9 @@ def main(argv=None) -> dict:
                     "its document (knorm_gen.question.PROBE_SINK; -1: the product's)")
     ap.add_argument("--repeats", choices=("last", "scored"), default="last", help="the question rule's sentence "
                     "pieces that repeat an earlier one: kept last (since 0.9) or scored like the rest (0.8)")
+    ap.add_argument("--trend", choices=("local", "line"), default="local", help="what the question rule takes out "
+                    "of a block's scores: the mean score within 64 positions (the product's) or the block's "
+                    "least-squares line over its positions (tried in 0.9.1, not kept)")
     ap.add_argument("--full-from", default="", help="results files (a glob) whose full-cache pass-key rows stand in "
                     "for running the full cache again on the same cases (it does not depend on the arms)")
     ap.add_argument("--mix-from", default="", help="a knorm-tune --out file: its per-layer mix is the arm 'mix'")
@@ -176,6 +179,10 @@ def main(argv=None) -> dict:
         from knorm_gen.question import make_probe
         knorm_gen.cache.make_probe = functools.partial(make_probe, paragraph=args.prompt_probe != "tail",
                                                        repeats=args.repeats != "scored")
+    if args.trend == "line":
+        import knorm_gen.question
+
+        knorm_gen.question.DETREND, knorm_gen.question.LOCAL = True, 0
     if args.probe_sink >= 0:
         import knorm_gen.question
 

@@ -66,6 +66,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--arms", default="default,full,random")
     ap.add_argument("--repeats", choices=("last", "scored"), default="last", help="the question rule's sentence "
                     "pieces that repeat an earlier one: kept last (since 0.9) or scored like the rest (0.8)")
+    ap.add_argument("--trend", choices=("local", "line"), default="local", help="what the question rule takes out "
+                    "of a block's scores: the mean score within 64 positions (the product's) or the block's "
+                    "least-squares line over its positions (tried in 0.9.1, not kept)")
     ap.add_argument("--add-to", default="")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
@@ -78,6 +81,10 @@ def main(argv=None) -> dict:
         import knorm_gen.cache
         from knorm_gen.question import make_probe
         knorm_gen.cache.make_probe = functools.partial(make_probe, repeats=False)
+    if args.trend == "line":
+        import knorm_gen.question
+
+        knorm_gen.question.DETREND, knorm_gen.question.LOCAL = True, 0
     model, tok = load_model(None if args.model == "default" else args.model)
     tok = as_tokenizer(tok)
     chat = has_chat_template(tok)

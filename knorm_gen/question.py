@@ -43,7 +43,13 @@ SEGMENT_TOKENS = 16
 """The longest sentence piece: 8 split "The pass key is 81313." and lost most keys; 16 and 32 kept them."""
 
 LOCAL = 64
-"""Positions either side whose mean score a key's score is measured against."""
+"""Positions either side whose mean score a key's score is measured against (0: none)."""
+
+DETREND = False
+"""Take each block's least-squares line over its positions out of its scores instead of
+the local mean (``question_scores(detrend=True)``, ``choose_default.py --trend line``):
+measured in 0.9.1 (docs/results.md) and not kept; the mean within :data:`LOCAL` positions
+holds a sentence's own scores, a line over a block barely moves for one sentence."""
 
 REPEAT_SHORTEST = 4
 """A sentence piece of at least this many tokens that repeats an earlier piece token for token
@@ -134,13 +140,20 @@ def segment_ids(tokenizer: Any, ids: Sequence[int], longest: int = SEGMENT_TOKEN
 
 
 def question_scores(keys: mx.array, queries: mx.array, segments: Optional[mx.array] = None,
-                    local: int = LOCAL) -> mx.array:
+                    local: Optional[int] = None, detrend: Optional[bool] = None) -> mx.array:
     """``(B, H, N)`` float32 scores (higher: more wanted) of a block of keys ``(B, H, N, D)``
     against unit probe queries ``(B, H, M, D)`` (:func:`probe_queries`); ``segments``:
     ``(B, N)`` piece numbers of the block's tokens (:func:`segment_ids`), nondecreasing
-    along a row; None: each token alone."""
+    along a row; None: each token alone. ``detrend``: the block's least-squares line over
+    its positions is subtracted (None: :data:`DETREND`); ``local``: the mean score within
+    that many positions is subtracted (None: :data:`LOCAL`; 0: none)."""
+    local = LOCAL if local is None else local
     s = mx.max(keys.astype(mx.float32) @ mx.swapaxes(queries.astype(mx.float32), -1, -2), axis=-1)
     b, h, n = s.shape
+    if DETREND if detrend is None else detrend:
+        x = mx.arange(n, dtype=mx.float32) - (n - 1) / 2  # centred: the line's slope and mean apart
+        slope = mx.sum(s * x, axis=-1, keepdims=True) / max(n * (n * n - 1) / 12, 1.0)  # sum of x^2
+        s = s - mx.mean(s, axis=-1, keepdims=True) - slope * x
     if local:
         c = mx.concatenate([mx.zeros((b, h, 1), mx.float32), mx.cumsum(s, axis=-1)], axis=-1)
         i = mx.arange(n)

@@ -7,12 +7,12 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from knorm_gen.mlx_compat import record_attention
-from knorm_gen.question import LOCAL, probe_queries, question_scores, repeated_pieces, segment_ids
+from knorm_gen.question import DETREND, LOCAL, probe_queries, question_scores, repeated_pieces, segment_ids
 
 from .conftest import greedy_with_gaps, tiny_llama
 
 
-def reference_scores(keys, queries, segments, local):
+def reference_scores(keys, queries, segments, local, detrend=DETREND):
     k, q = np.asarray(keys, np.float64), np.asarray(queries, np.float64)
     b, h, n, _ = k.shape
     s = np.empty((b, h, n))
@@ -20,6 +20,13 @@ def reference_scores(keys, queries, segments, local):
         for j in range(h):
             for i in range(n):
                 s[r, j, i] = max(float(k[r, j, i] @ qq) for qq in q[r, j])
+    if detrend:  # each (row, head): the least-squares line over the positions taken out
+        for r in range(b):
+            for j in range(h):
+                if n > 1:
+                    s[r, j] -= np.polyval(np.polyfit(np.arange(n, dtype=np.float64), s[r, j], 1), np.arange(n))
+                else:
+                    s[r, j] -= s[r, j].mean()
     if local:
         m = s.copy()
         for i in range(n):
@@ -36,8 +43,9 @@ def reference_scores(keys, queries, segments, local):
     return out
 
 
+@pytest.mark.parametrize("detrend", [False, True])
 @pytest.mark.parametrize("local", [0, 3])
-def test_question_scores_match_a_float64_reference(local):
+def test_question_scores_match_a_float64_reference(local, detrend):
     rng = np.random.default_rng(1)
     keys = rng.normal(size=(2, 3, 20, 8)).astype(np.float32)
     queries = rng.normal(size=(2, 3, 5, 8)).astype(np.float32)
@@ -45,11 +53,12 @@ def test_question_scores_match_a_float64_reference(local):
     # row 0: pieces of 1 to 7 tokens; row 1 starts mid-prompt (piece numbers offset), one long piece
     segments = [[0, 0, 0, 1, 2, 2, 2, 2, 2, 2, 2, 3, 3, 4, 4, 4, 4, 4, 4, 5],
                 [40, 40, 41, 41, 41, 41, 41, 41, 41, 41, 41, 41, 41, 41, 41, 41, 41, 42, 42, 42]]
-    want = reference_scores(keys, queries, segments, local)
-    got = np.array(question_scores(mx.array(keys), mx.array(queries), mx.array(segments), local=local))
+    want = reference_scores(keys, queries, segments, local, detrend)
+    got = np.array(question_scores(mx.array(keys), mx.array(queries), mx.array(segments), local=local,
+                                   detrend=detrend))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    alone = np.array(question_scores(mx.array(keys), mx.array(queries), None, local=local))
-    np.testing.assert_allclose(alone, reference_scores(keys, queries, None, local), rtol=1e-4, atol=1e-4)
+    alone = np.array(question_scores(mx.array(keys), mx.array(queries), None, local=local, detrend=detrend))
+    np.testing.assert_allclose(alone, reference_scores(keys, queries, None, local, detrend), rtol=1e-4, atol=1e-4)
     # a piece shares one score: its tokens tie, so the position breaks the tie
     assert np.all(got[0, :, 4:11] == got[0, :, 4:5])
 
