@@ -1,0 +1,156 @@
+"""Which variant of the question rule's scores keeps a key asked after the context, per bounded layer? (no generation)
+
+    python benchmarks/layer_retention.py --model gemma-3-270m --split tune --docs 10 \
+        --variants local64,none,line,half64,half128,annulus128_32,line_lp0.5,line_lp1,line_lp2
+    python benchmarks/layer_retention.py --model default --split tune --docs 10 --variants local64,none,line
+
+The proxy behind 0.9.1 (docs/results.md). Per case (each document cut to 2,048 then
+1,536 tokens as ``choose_default.py`` cuts it, the key sentence at depths 0.25 and
+0.75, the key question asked after the context as ``answer_questions`` asks it),
+one forward pass of the context gives every layer's keys and the product's probe
+(:func:`knorm_gen.question.make_probe` with the question). Each bounded layer's KV
+heads then select their budget (context / 4, the recent quarter, the template pinned)
+by the variant's scores in one selection, and the case reports the share of the
+bounded layers' heads that keep one mention of the key's digits; a case counts as
+kept when all of them do. Variants, what is taken out of a key's best probe score
+before its sentence piece takes the best: ``local64`` the mean within 64 positions
+(the product), ``none``, ``line`` each 512-token block's least-squares line over its
+positions, ``halfN`` half the mean within N, ``annulusN_E`` the mean within N less
+the E nearest, ``line_lpA`` ``line`` less A x log2 of the piece's length.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import knorm_gen  # noqa: F401  (BLAS preload first)
+import mlx.core as mx
+import numpy as np
+from knorm_gen import question as Q
+from knorm_gen.mlx_compat import full_attention_layers, record_attention
+from knorm_gen.models import load_model
+from knorm_gen.prompts import as_tokenizer, context_spans, has_chat_template, split_question_prompts
+from knorm_gen.tune import KEY_CUE, KEY_QUESTION, Doc, head_tokens, needle, passkey_cases
+
+from choose_default import SPLIT_FILLERS
+from documents import documents, installed_readmes
+from whole_prompt_keys import token_range
+
+BLOCK = 512
+
+
+def variant(name: str) -> dict:
+    """A variant's settings from its name (see the module docstring)."""
+    if name == "local64":
+        return dict(local=64)
+    if name == "none":
+        return dict(local=0)
+    if name.startswith("line"):
+        return dict(local=0, line=True, lp=float(name.split("_lp")[1]) if "_lp" in name else 0.0)
+    if name.startswith("half"):
+        return dict(local=int(name[4:]), frac=0.5)
+    if name.startswith("annulus"):
+        reach, near = name[7:].split("_")
+        return dict(local=int(reach), near=int(near))
+    raise SystemExit(f"--variants: unknown {name!r}; choose local64, none, line, line_lpA, halfN, annulusN_E")
+
+
+def scores(keys: mx.array, queries: mx.array, pieces: np.ndarray, repeated: np.ndarray, v: dict) -> np.ndarray:
+    """(H, N) float64 piece scores of one layer's keys under variant ``v`` (higher kept first)."""
+    s = np.array(mx.max(keys.astype(mx.float32) @ mx.swapaxes(queries, -1, -2), axis=-1))[0].astype(np.float64)
+    h, n = s.shape
+    c = np.concatenate([np.zeros((h, 1)), np.cumsum(s, axis=-1)], axis=-1)
+    i = np.arange(n)
+
+    def window_sum(reach):
+        lo, hi = np.maximum(i - reach, 0), np.minimum(i + reach + 1, n)
+        return c[:, hi] - c[:, lo], (hi - lo).astype(np.float64)
+
+    if v.get("local"):
+        total, count = window_sum(v["local"])
+        if v.get("near"):
+            t2, c2 = window_sum(v["near"])
+            total, count = total - t2, count - c2
+        s = s - v.get("frac", 1.0) * total / np.maximum(count, 1.0)
+    if v.get("line"):
+        for b0 in range(0, n, BLOCK):
+            blk = s[:, b0:b0 + BLOCK]
+            x = np.arange(blk.shape[1], dtype=np.float64)
+            for r in range(h):
+                fit = np.polyval(np.polyfit(x, blk[r], 1), x) if len(x) > 2 else blk[r].mean()
+                blk[r] -= fit
+    out = np.empty_like(s)
+    for p in np.unique(pieces):
+        m = pieces == p
+        out[:, m] = s[:, m].max(axis=-1, keepdims=True) - v.get("lp", 0.0) * np.log2(m.sum())
+    return out - Q.REPEAT_PENALTY * repeated[None].astype(np.float64)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--split", choices=("tune", "heldout"), default="tune")
+    ap.add_argument("--readmes", default="", help="instead of the split's documents, these installed packages' READMEs")
+    ap.add_argument("--docs", type=int, default=10)
+    ap.add_argument("--fillers", action="store_true", help="also the split's two fillers (choose_default's)")
+    ap.add_argument("--variants", default="local64,none,line")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    names = args.variants.split(",")
+    settings = {name: variant(name) for name in names}  # an unknown name stops here, before the model loads
+    model, tok = load_model(None if args.model == "default" else args.model)
+    tok = as_tokenizer(tok)
+    chat = has_chat_template(tok)
+    split = installed_readmes(args.readmes.split(",")) if args.readmes else \
+        documents(tok)[0::2] if args.split == "tune" else documents(tok)[1::2]
+    docs = [Doc(d.name, head_tokens(tok, head_tokens(tok, d.text, 2048), 1536)) for d in split[:args.docs]]
+    cases = passkey_cases(docs, (), tok, [0.25, 0.75], 0)
+    if args.fillers:
+        cases += passkey_cases([], SPLIT_FILLERS[args.split], tok, [0.3, 0.7], 1)
+    layers = full_attention_layers(model)
+    question = KEY_QUESTION if chat else KEY_CUE
+    head = len(split_question_prompts(tok, "x", [question], chat=chat)[0]) - 1 if chat else 0
+    rows = []
+    for name, context, key, depth in cases:
+        prefix, (q_ids,) = split_question_prompts(tok, context, [question], chat=chat)
+        spans = context_spans(tok, context, prefix, chat=chat)
+        n = len(prefix)
+        budget = max(8, int(n / 4))
+        recent = int(budget * 0.25)
+        at = context.index(needle(key))
+        lo, hi = token_range(tok, prefix, at, at + len(needle(key)), head)
+        digits = [i for i in range(lo, hi) if any(ch.isdigit() for ch in tok.decode([prefix[i]]))]
+        mentions = (digits[: len(digits) // 2], digits[len(digits) // 2:])
+        calls: list = []
+        with record_attention(model, calls):
+            model(mx.array(prefix)[None])
+        probe = Q.make_probe(model, tok, prefix, spans, [q_ids])
+        evictable = np.zeros(n, bool)
+        for a, b in spans:
+            evictable[a:b] = True
+        evictable[n - recent:] = False
+        row = dict(doc=name, depth=depth, key=key, tokens=n, budget=budget)
+        for vname, v in settings.items():
+            kept = []
+            for li in layers:
+                queries, pieces, repeated = probe[li]
+                s = scores(calls[li][1], queries, np.array(pieces)[0, :n], np.array(repeated)[0, :n], v)
+                for r in range(s.shape[0]):
+                    order = np.argsort(-np.where(evictable, s[r], np.inf), kind="stable")[:budget]
+                    keep = set(order.tolist())
+                    kept.append(any(all(i in keep for i in m) for m in mentions))
+            row[vname] = float(np.mean(kept))
+        rows.append(row)
+        print(f"{name:28s} {depth:.2f} " + " ".join(f"{v}:{row[v]:.2f}" for v in names), flush=True)
+    summary = {v: dict(mean=float(np.mean([r[v] for r in rows])), cases_kept=sum(r[v] == 1.0 for r in rows),
+                       cases=len(rows)) for v in names}
+    for v, t in summary.items():
+        print(f"{v:14s} heads keeping the key {t['mean']:.3f}, cases kept {t['cases_kept']}/{t['cases']}")
+    out = Path(args.out or Path(__file__).parent / "results" / f"layer_retention-{args.model}-{args.split}.json")
+    out.write_text(json.dumps(dict(model=args.model, split=args.split, variants=names, rows=rows, summary=summary),
+                              indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
