@@ -28,6 +28,7 @@ from knorm_gen.models import load_model
 from knorm_gen.tune import CANDIDATES, Doc, Tuner, head_tokens, run, summarize
 
 from documents import documents, installed_readmes  # benchmarks/documents.py
+from rule_switches import add_rule_switches, apply_rule_switches
 
 RESULTS = Path(__file__).parent / "results"
 SPLIT_FILLERS = {"tune": ("grass", "ledger"), "heldout": ("harbor", "recipe")}
@@ -156,33 +157,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--fidelity-mode", choices=("ctq", "prompt"), default="ctq", help="fidelity: the summary "
                     "question asked after the context (ctq), or written into the prompt after the document, the "
                     "prompt run as generate_with_eviction runs it (prompt)")
-    ap.add_argument("--prompt-probe", choices=("paragraph", "tail"), default="paragraph", help="a prompt without "
-                    "questions asked apart is probed by the last paragraph of its last tokens (paragraph, since 0.8) "
-                    "or by all of them (tail, 0.7)")
     ap.add_argument("--probe-sink", type=int, default=-1, help="the first tokens a prompt's probe runs before "
                     "its document (knorm_gen.question.PROBE_SINK; -1: the product's)")
-    ap.add_argument("--repeats", choices=("last", "scored"), default="last", help="the question rule's sentence "
-                    "pieces that repeat an earlier one: kept last (since 0.9) or scored like the rest (0.8)")
-    ap.add_argument("--trend", choices=("local", "line"), default="local", help="what the question rule takes out "
-                    "of a block's scores: the mean score within 64 positions (the product's) or the block's "
-                    "least-squares line over its positions (tried in 0.9.1, not kept)")
+    add_rule_switches(ap, prompt_probe=True)
     ap.add_argument("--full-from", default="", help="results files (a glob) whose full-cache pass-key rows stand in "
                     "for running the full cache again on the same cases (it does not depend on the arms)")
     ap.add_argument("--mix-from", default="", help="a knorm-tune --out file: its per-layer mix is the arm 'mix'")
     ap.add_argument("--add-to", default="", help="a results file to continue (its finished cases are kept)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    if args.prompt_probe == "tail" or args.repeats == "scored":
-        import functools
-
-        import knorm_gen.cache
-        from knorm_gen.question import make_probe
-        knorm_gen.cache.make_probe = functools.partial(make_probe, paragraph=args.prompt_probe != "tail",
-                                                       repeats=args.repeats != "scored")
-    if args.trend == "line":
-        import knorm_gen.question
-
-        knorm_gen.question.DETREND, knorm_gen.question.LOCAL = True, 0
+    apply_rule_switches(args)
     if args.probe_sink >= 0:
         import knorm_gen.question
 

@@ -3,6 +3,10 @@
     python benchmarks/layer_retention.py --model gemma-3-270m --split tune --docs 10 \
         --variants local64,none,line,half64,half128,annulus128_32,line_lp0.5,line_lp1,line_lp2
     python benchmarks/layer_retention.py --model default --split tune --docs 10 --variants local64,none,line
+    python benchmarks/layer_retention.py --model M --split tune --docs 10 --variants local64,qlocal64,qlocal128 \
+        --out benchmarks/results/layer_retention-M-tune-query.json                    # 0.9.2
+    python benchmarks/layer_retention.py --model M --split tune --docs 10 --variants local64,bestof64_128 \
+        --out benchmarks/results/layer_retention-M-tune-bestof.json
 
 The proxy behind 0.9.1 (docs/results.md). Per case (each document cut to 2,048 then
 1,536 tokens as ``choose_default.py`` cuts it, the key sentence at depths 0.25 and
@@ -16,7 +20,9 @@ kept when all of them do. Variants, what is taken out of a key's best probe scor
 before its sentence piece takes the best: ``local64`` the mean within 64 positions
 (the product), ``none``, ``line`` each 512-token block's least-squares line over its
 positions, ``halfN`` half the mean within N, ``annulusN_E`` the mean within N less
-the E nearest, ``line_lpA`` ``line`` less A x log2 of the piece's length.
+the E nearest, ``line_lpA`` ``line`` less A x log2 of the piece's length, ``qlocalN`` each probe query's
+own mean within N taken out before the best is taken, ``bestofA_B`` the larger of
+``localA``'s and ``qlocalB``'s piece scores.
 """
 import argparse
 import json
@@ -49,16 +55,32 @@ def variant(name: str) -> dict:
         return dict(local=0, line=True, lp=float(name.split("_lp")[1]) if "_lp" in name else 0.0)
     if name.startswith("half"):
         return dict(local=int(name[4:]), frac=0.5)
+    if name.startswith("bestof"):  # bestofA_B: the larger of local A and qlocal B
+        a, b = name[6:].split("_")
+        return dict(bestof=(dict(local=int(a)), dict(local=int(b), perq=True)))
+    if name.startswith("qlocal"):
+        return dict(local=int(name[6:]), perq=True)
     if name.startswith("annulus"):
         reach, near = name[7:].split("_")
         return dict(local=int(reach), near=int(near))
-    raise SystemExit(f"--variants: unknown {name!r}; choose local64, none, line, line_lpA, halfN, annulusN_E")
+    raise SystemExit(f"--variants: unknown {name!r}; choose local64, none, line, line_lpA, halfN, qlocalN, "
+                     "annulusN_E")
 
 
 def scores(keys: mx.array, queries: mx.array, pieces: np.ndarray, repeated: np.ndarray, v: dict) -> np.ndarray:
     """(H, N) float64 piece scores of one layer's keys under variant ``v`` (higher kept first)."""
-    s = np.array(mx.max(keys.astype(mx.float32) @ mx.swapaxes(queries, -1, -2), axis=-1))[0].astype(np.float64)
-    h, n = s.shape
+    if v.get("bestof"):
+        a, b = v["bestof"]
+        return np.maximum(scores(keys, queries, pieces, repeated, a), scores(keys, queries, pieces, repeated, b))
+    full = np.array(keys.astype(mx.float32) @ mx.swapaxes(queries, -1, -2))[0].astype(np.float64)  # (H, N, M)
+    h, n = full.shape[:2]
+    if v.get("perq"):  # each probe query's own local mean out before the best is taken
+        c = np.concatenate([np.zeros((h, 1, full.shape[2])), np.cumsum(full, axis=1)], axis=1)
+        i = np.arange(n)
+        lo, hi = np.maximum(i - v["local"], 0), np.minimum(i + v["local"] + 1, n)
+        full = full - (c[:, hi] - c[:, lo]) / (hi - lo)[None, :, None]
+        v = {**v, "local": 0}
+    s = full.max(axis=-1)
     c = np.concatenate([np.zeros((h, 1)), np.cumsum(s, axis=-1)], axis=-1)
     i = np.arange(n)
 

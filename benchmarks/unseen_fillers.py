@@ -37,6 +37,8 @@ from knorm_gen.models import load_model
 from knorm_gen.prompts import as_tokenizer, has_chat_template
 from knorm_gen.tune import FILLERS, KEY_CUE, KEY_QUESTION, filler_text, with_needle
 
+from rule_switches import add_rule_switches, apply_rule_switches
+
 RESULTS = Path(__file__).parent / "results"
 
 UNSEEN = {
@@ -64,27 +66,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--ratio", type=float, default=4.0)
     ap.add_argument("--modes", default="prompt,ctq")
     ap.add_argument("--arms", default="default,full,random")
-    ap.add_argument("--repeats", choices=("last", "scored"), default="last", help="the question rule's sentence "
-                    "pieces that repeat an earlier one: kept last (since 0.9) or scored like the rest (0.8)")
-    ap.add_argument("--trend", choices=("local", "line"), default="local", help="what the question rule takes out "
-                    "of a block's scores: the mean score within 64 positions (the product's) or the block's "
-                    "least-squares line over its positions (tried in 0.9.1, not kept)")
+    add_rule_switches(ap)
     ap.add_argument("--add-to", default="")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     unknown = [n for n in args.fillers.split(",") if n not in ALL]
     if unknown:  # before any model work
         ap.error(f"--fillers: unknown {', '.join(unknown)}; choose from {', '.join(ALL)}")
-    if args.repeats == "scored":
-        import functools
-
-        import knorm_gen.cache
-        from knorm_gen.question import make_probe
-        knorm_gen.cache.make_probe = functools.partial(make_probe, repeats=False)
-    if args.trend == "line":
-        import knorm_gen.question
-
-        knorm_gen.question.DETREND, knorm_gen.question.LOCAL = True, 0
+    apply_rule_switches(args)
     model, tok = load_model(None if args.model == "default" else args.model)
     tok = as_tokenizer(tok)
     chat = has_chat_template(tok)

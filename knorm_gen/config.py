@@ -25,7 +25,10 @@ KEEP_MODES = tuple(SCORES)
 paper's; ``high`` its ablation; ``keydiff`` (arXiv:2504.15364) keeps the keys least
 like the head's mean direction; ``blend`` adds the paper's log norm to KeyDiff's
 cosine; ``leverage`` (Compactor, arXiv:2507.08143) keeps the keys of highest
-statistical leverage against the head's keys seen; ``random`` and ``recent``
+statistical leverage against the head's keys seen; ``question`` keeps the document
+keys the job's instructions would attend to (:mod:`knorm_gen.question`, the default),
+``question_per_query`` the same with each probe query's own local mean taken out first
+(a ``knorm-tune`` candidate); ``random`` and ``recent``
 (StreamingLLM: sinks + most recent) are baselines."""
 
 EARLY_FRACTION = 0.3
@@ -317,7 +320,8 @@ class EvictionConfig:
     recent: Optional[int] = _setting(None, "Most recent tokens never evicted (overrides --recent-share).",
                                      default_text="--recent-share x budget")
     keep: str = _setting("question", "question = keep the document keys the instructions after the document would "
-                         "attend to (probed first; the default); low = keep low key norms (the paper's L2Norm rule); "
+                         "attend to (probed first; the default); question_per_query = the same, each probe query's own local mean "
+                         "taken out first (a knorm-tune candidate); low = keep low key norms (the paper's L2Norm rule); "
                          "keydiff = keep keys least like the head's mean; blend = both (--preset intrinsic, with "
                          "leverage in the early layers: --early-keep); leverage = keep keys unlike the rest by "
                          "statistical leverage; high = ablation; random/recent = baselines.",

@@ -51,6 +51,13 @@ the local mean (``question_scores(detrend=True)``, ``choose_default.py --trend l
 measured in 0.9.1 (docs/results.md) and not kept; the mean within :data:`LOCAL` positions
 holds a sentence's own scores, a line over a block barely moves for one sentence."""
 
+PER_QUERY = False
+"""Take each probe query's own mean within :data:`LOCAL` positions out of its dot products
+before the best query is taken (``question_scores(per_query=True)``, ``choose_default.py
+--trend query``): a broad query (one that scores whole regions high) then no longer decides
+the selection alone. Measured in 0.9.2 (docs/results.md) and not kept: Gemma 3 found more keys,
+SmolLM2 fewer."""
+
 REPEAT_SHORTEST = 4
 """A sentence piece of at least this many tokens that repeats an earlier piece token for token
 ranks after every piece that does not (:func:`repeated_pieces`): shorter ones (a line break, a
@@ -140,25 +147,29 @@ def segment_ids(tokenizer: Any, ids: Sequence[int], longest: int = SEGMENT_TOKEN
 
 
 def question_scores(keys: mx.array, queries: mx.array, segments: Optional[mx.array] = None,
-                    local: Optional[int] = None, detrend: Optional[bool] = None) -> mx.array:
+                    local: Optional[int] = None, detrend: Optional[bool] = None,
+                    per_query: Optional[bool] = None) -> mx.array:
     """``(B, H, N)`` float32 scores (higher: more wanted) of a block of keys ``(B, H, N, D)``
     against unit probe queries ``(B, H, M, D)`` (:func:`probe_queries`); ``segments``:
     ``(B, N)`` piece numbers of the block's tokens (:func:`segment_ids`), nondecreasing
     along a row; None: each token alone. ``detrend``: the block's least-squares line over
     its positions is subtracted (None: :data:`DETREND`); ``local``: the mean score within
-    that many positions is subtracted (None: :data:`LOCAL`; 0: none)."""
+    that many positions is subtracted (None: :data:`LOCAL`; 0: none); ``per_query``: from
+    each query's dot products before the best is taken, not from the best (None:
+    :data:`PER_QUERY`)."""
     local = LOCAL if local is None else local
-    s = mx.max(keys.astype(mx.float32) @ mx.swapaxes(queries.astype(mx.float32), -1, -2), axis=-1)
+    s = keys.astype(mx.float32) @ mx.swapaxes(queries.astype(mx.float32), -1, -2)  # (B, H, N, M)
+    if (PER_QUERY if per_query is None else per_query) and local:
+        s = s - _local_mean(s, local, axis=2)
+        local = 0
+    s = mx.max(s, axis=-1)
     b, h, n = s.shape
     if DETREND if detrend is None else detrend:
         x = mx.arange(n, dtype=mx.float32) - (n - 1) / 2  # centred: the line's slope and mean apart
         slope = mx.sum(s * x, axis=-1, keepdims=True) / max(n * (n * n - 1) / 12, 1.0)  # sum of x^2
         s = s - mx.mean(s, axis=-1, keepdims=True) - slope * x
     if local:
-        c = mx.concatenate([mx.zeros((b, h, 1), mx.float32), mx.cumsum(s, axis=-1)], axis=-1)
-        i = mx.arange(n)
-        lo, hi = mx.maximum(i - local, 0), mx.minimum(i + local + 1, n)
-        s = s - (mx.take(c, hi, axis=-1) - mx.take(c, lo, axis=-1)) / (hi - lo).astype(mx.float32)
+        s = s - _local_mean(s, local, axis=-1)
     if segments is None:
         return s
     seg = mx.array(segments).astype(mx.int64).reshape(b, n)
@@ -167,6 +178,19 @@ def question_scores(keys: mx.array, queries: mx.array, segments: Optional[mx.arr
     rows = mx.swapaxes(s, 1, 2).reshape(b * n, h)  # (B*N, H): a row per token
     best = mx.full((b * n, h), -mx.inf, dtype=mx.float32).at[flat].maximum(rows)
     return mx.swapaxes(best[flat].reshape(b, n, h), 1, 2)
+
+
+def _local_mean(s: mx.array, local: int, axis: int) -> mx.array:
+    """The mean of ``s`` within ``local`` positions either side along ``axis`` (fewer at the ends)."""
+    axis = axis % s.ndim
+    n = s.shape[axis]
+    shape = list(s.shape)
+    shape[axis] = 1
+    c = mx.concatenate([mx.zeros(shape, mx.float32), mx.cumsum(s, axis=axis)], axis=axis)
+    i = mx.arange(n)
+    lo, hi = mx.maximum(i - local, 0), mx.minimum(i + local + 1, n)
+    count = (hi - lo).astype(mx.float32).reshape([n if a == axis else 1 for a in range(s.ndim)])
+    return (mx.take(c, hi, axis=axis) - mx.take(c, lo, axis=axis)) / count
 
 
 def repeated_pieces(ids: Sequence[int], pieces: np.ndarray, shortest: int = REPEAT_SHORTEST) -> np.ndarray:

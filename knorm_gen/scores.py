@@ -145,13 +145,15 @@ def score_leverage(keys: mx.array, positions: mx.array, anchor: Optional[mx.arra
     return -mx.sum((x @ inv) * x, axis=-1)
 
 
-def score_question(keys: mx.array, positions: mx.array, anchor: Optional[tuple] = None) -> mx.array:
+def score_question(keys: mx.array, positions: mx.array, anchor: Optional[tuple] = None,
+                   per_query: Optional[bool] = None) -> mx.array:
     """Minus the attention the job's instructions would give the key: ``anchor`` is
     the probe ``(queries (B, H, M, D), pieces (B, P)[, repeated (B, P)])`` of
     :func:`knorm_gen.question.make_probe`; the score is :func:`knorm_gen.question.question_scores`
     with each token in its sentence piece (a position past the probed prompt, a generated
     token, is a piece of its own), less :data:`~knorm_gen.question.REPEAT_PENALTY` in a
-    piece that repeats an earlier one. Static: it depends on the key and the probe only."""
+    piece that repeats an earlier one (``per_query``: as :func:`question_scores`). Static: it
+    depends on the key and the probe only."""
     if anchor is None:
         raise ValueError("keep='question' scores keys against a probe of the job's instructions, and this cache has "
                          "none: run it through generate_with_eviction, answer_questions or knorm-batch, which probe "
@@ -161,11 +163,20 @@ def score_question(keys: mx.array, positions: mx.array, anchor: Optional[tuple] 
     last = pieces.shape[-1] - 1
     inside = mx.take_along_axis(pieces, mx.minimum(pos, last), axis=-1)
     seg = mx.where(pos <= last, inside, pieces[:, last:] + pos - last)
-    s = question_scores(keys, queries, seg)
+    s = question_scores(keys, queries, seg, per_query=per_query)
     if not repeated:
         return -s
     again = mx.logical_and(pos <= last, mx.take_along_axis(repeated[0], mx.minimum(pos, last), axis=-1))
     return -mx.where(again[:, None, :], s - REPEAT_PENALTY, s)
+
+
+def score_question_per_query(keys: mx.array, positions: mx.array, anchor: Optional[tuple] = None) -> mx.array:
+    """:func:`score_question` with each probe query's own mean within
+    :data:`~knorm_gen.question.LOCAL` positions taken out before the best query is taken
+    (0.9.2): a query that scores whole regions high no longer decides the selection alone.
+    On Gemma 3 it kept more keys than ``question``, on SmolLM2 fewer (docs/results.md), so
+    it is a ``knorm-tune`` candidate (``--arms question_per_query_rec25``), not the default."""
+    return score_question(keys, positions, anchor, per_query=True)
 
 
 SCORES: dict[str, ScoreFn] = {
@@ -177,12 +188,13 @@ SCORES: dict[str, ScoreFn] = {
     "blend": score_blend,
     "leverage": score_leverage,
     "question": score_question,
+    "question_per_query": score_question_per_query,
 }
 
 ANCHORED = frozenset({"keydiff", "blend"})
 """The rules that score against the running anchor (block-size dependent, see above)."""
 
-PROBED = frozenset({"question"})
+PROBED = frozenset({"question", "question_per_query"})
 """The rules that score against a probe of the job's instructions, set before the
 prefill (:func:`knorm_gen.cache.set_probe`) and fixed; the caches hand it over as
 the anchor and never re-score held keys."""

@@ -63,6 +63,23 @@ def test_question_scores_match_a_float64_reference(local, detrend):
     assert np.all(got[0, :, 4:11] == got[0, :, 4:5])
 
 
+def test_per_query_scores_take_each_querys_own_local_mean_first():
+    rng = np.random.default_rng(2)
+    keys = rng.normal(size=(1, 2, 24, 8)).astype(np.float32)
+    queries = rng.normal(size=(1, 2, 4, 8)).astype(np.float32)
+    queries /= np.linalg.norm(queries, axis=-1, keepdims=True)
+    k, q = keys.astype(np.float64), queries.astype(np.float64)
+    want = np.empty((1, 2, 24))
+    for j in range(2):
+        per = k[0, j] @ q[0, j].T  # (N, M), each query its own column
+        centred = np.stack([per[i] - per[max(0, i - 3):i + 4].mean(axis=0) for i in range(24)])
+        want[0, j] = centred.max(axis=-1)
+    got = np.array(question_scores(mx.array(keys), mx.array(queries), None, local=3, per_query=True))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    # not the same as the best query's score less its local mean (what per_query=False does)
+    assert not np.allclose(got, reference_scores(keys, queries, None, 3, False), atol=1e-3)
+
+
 class _Tok:
     def __init__(self, words):
         self.words = words

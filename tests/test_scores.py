@@ -61,6 +61,18 @@ def numpy_block_scores(keep, keys, seed):
     if keep == "question":
         q, pieces = question_probe(keys.shape[1], keys.shape[3], keys.shape[2], seed)
         return -reference_scores(keys, q, [list(pieces)], LOCAL)
+    if keep == "question_per_query":  # each query less its own mean within LOCAL, then the best, then the piece's best
+        q, pieces = question_probe(keys.shape[1], keys.shape[3], keys.shape[2], seed)
+        k, qq = keys[0], q[0].astype(np.float64)
+        n = k.shape[1]
+        s = np.empty((k.shape[0], n))
+        for h in range(k.shape[0]):
+            per = k[h] @ qq[h].T
+            s[h] = [(per[i] - per[max(0, i - LOCAL):i + LOCAL + 1].mean(axis=0)).max() for i in range(n)]
+        for g in set(pieces.tolist()):
+            at = pieces == g
+            s[:, at] = s[:, at].max(axis=-1, keepdims=True)
+        return -s[None]
     raise AssertionError(f"no numpy reference for the rule {keep!r}: write one here")
 
 
