@@ -63,8 +63,18 @@ def variant(name: str) -> dict:
     if name.startswith("annulus"):
         reach, near = name[7:].split("_")
         return dict(local=int(reach), near=int(near))
-    raise SystemExit(f"--variants: unknown {name!r}; choose local64, none, line, line_lpA, halfN, qlocalN, "
+    raise SystemExit(f"--variants: unknown {name!r}; choose local64, none, line, line_lpA, halfN, qlocalN, bestofA_B, "
                      "annulusN_E")
+
+
+def window_sum(x: np.ndarray, reach: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sums of ``x`` (positions on axis 1) within ``reach`` positions either side, and
+    how many positions each sum holds (fewer at the ends)."""
+    n = x.shape[1]
+    c = np.concatenate([np.zeros_like(x[:, :1]), np.cumsum(x, axis=1)], axis=1)
+    i = np.arange(n)
+    lo, hi = np.maximum(i - reach, 0), np.minimum(i + reach + 1, n)
+    return c[:, hi] - c[:, lo], (hi - lo).astype(np.float64)
 
 
 def scores(keys: mx.array, queries: mx.array, pieces: np.ndarray, repeated: np.ndarray, v: dict) -> np.ndarray:
@@ -75,23 +85,14 @@ def scores(keys: mx.array, queries: mx.array, pieces: np.ndarray, repeated: np.n
     full = np.array(keys.astype(mx.float32) @ mx.swapaxes(queries, -1, -2))[0].astype(np.float64)  # (H, N, M)
     h, n = full.shape[:2]
     if v.get("perq"):  # each probe query's own local mean out before the best is taken
-        c = np.concatenate([np.zeros((h, 1, full.shape[2])), np.cumsum(full, axis=1)], axis=1)
-        i = np.arange(n)
-        lo, hi = np.maximum(i - v["local"], 0), np.minimum(i + v["local"] + 1, n)
-        full = full - (c[:, hi] - c[:, lo]) / (hi - lo)[None, :, None]
+        total, count = window_sum(full, v["local"])
+        full = full - total / count[None, :, None]
         v = {**v, "local": 0}
     s = full.max(axis=-1)
-    c = np.concatenate([np.zeros((h, 1)), np.cumsum(s, axis=-1)], axis=-1)
-    i = np.arange(n)
-
-    def window_sum(reach):
-        lo, hi = np.maximum(i - reach, 0), np.minimum(i + reach + 1, n)
-        return c[:, hi] - c[:, lo], (hi - lo).astype(np.float64)
-
     if v.get("local"):
-        total, count = window_sum(v["local"])
+        total, count = window_sum(s, v["local"])
         if v.get("near"):
-            t2, c2 = window_sum(v["near"])
+            t2, c2 = window_sum(s, v["near"])
             total, count = total - t2, count - c2
         s = s - v.get("frac", 1.0) * total / np.maximum(count, 1.0)
     if v.get("line"):

@@ -55,8 +55,9 @@ PER_QUERY = False
 """Take each probe query's own mean within :data:`LOCAL` positions out of its dot products
 before the best query is taken (``question_scores(per_query=True)``, ``choose_default.py
 --trend query``): a broad query (one that scores whole regions high) then no longer decides
-the selection alone. Measured in 0.9.2 (docs/results.md) and not kept: Gemma 3 found more keys,
-SmolLM2 fewer."""
+the selection alone. Measured in 0.9.2 (docs/results.md): Gemma 3 found more keys, SmolLM2
+fewer, so it is the rule ``keep="question_per_query"`` (a ``knorm-tune`` candidate), not the
+default; this switch makes ``keep="question"`` score that way too (the benchmarks' ``--trend query``)."""
 
 REPEAT_SHORTEST = 4
 """A sentence piece of at least this many tokens that repeats an earlier piece token for token
