@@ -7,6 +7,8 @@
         --out benchmarks/results/layer_retention-M-tune-query.json                    # 0.9.2
     python benchmarks/layer_retention.py --model M --split tune --docs 10 --variants local64,bestof64_128 \
         --out benchmarks/results/layer_retention-M-tune-bestof.json
+    python benchmarks/layer_retention.py --model M --readmes tqdm,rich,regex,pydantic,typer,tokenizers --docs 6 \
+        --variants local64,zlocal64,qlocal128,zlocal128 --out benchmarks/results/layer_retention-M-readmes-tune-z.json
 
 The proxy behind 0.9.1 (docs/results.md). Per case (each document cut to 2,048 then
 1,536 tokens as ``choose_default.py`` cuts it, the key sentence at depths 0.25 and
@@ -21,7 +23,8 @@ before its sentence piece takes the best: ``local64`` the mean within 64 positio
 (the product), ``none``, ``line`` each 512-token block's least-squares line over its
 positions, ``halfN`` half the mean within N, ``annulusN_E`` the mean within N less
 the E nearest, ``line_lpA`` ``line`` less A x log2 of the piece's length, ``qlocalN`` each probe query's
-own mean within N taken out before the best is taken, ``bestofA_B`` the larger of
+own mean within N taken out before the best is taken, ``zlocalN`` the mean within N out and the
+result divided by the standard deviation within N, ``bestofA_B`` the larger of
 ``localA``'s and ``qlocalB``'s piece scores.
 """
 import argparse
@@ -58,12 +61,14 @@ def variant(name: str) -> dict:
     if name.startswith("bestof"):  # bestofA_B: the larger of local A and qlocal B
         a, b = name[6:].split("_")
         return dict(bestof=(dict(local=int(a)), dict(local=int(b), perq=True)))
+    if name.startswith("zlocal"):  # zlocalN: the local mean out, then divided by the local spread
+        return dict(local=int(name[6:]), z=True)
     if name.startswith("qlocal"):
         return dict(local=int(name[6:]), perq=True)
     if name.startswith("annulus"):
         reach, near = name[7:].split("_")
         return dict(local=int(reach), near=int(near))
-    raise SystemExit(f"--variants: unknown {name!r}; choose local64, none, line, line_lpA, halfN, qlocalN, bestofA_B, "
+    raise SystemExit(f"--variants: unknown {name!r}; choose local64, none, line, line_lpA, halfN, qlocalN, zlocalN, bestofA_B, "
                      "annulusN_E")
 
 
@@ -94,7 +99,13 @@ def scores(keys: mx.array, queries: mx.array, pieces: np.ndarray, repeated: np.n
         if v.get("near"):
             t2, c2 = window_sum(s, v["near"])
             total, count = total - t2, count - c2
-        s = s - v.get("frac", 1.0) * total / np.maximum(count, 1.0)
+        mean = total / np.maximum(count, 1.0)
+        if v.get("z"):
+            sq, _ = window_sum(s * s, v["local"])
+            spread = np.sqrt(np.maximum(sq / np.maximum(count, 1.0) - mean * mean, 1e-12))
+            s = (s - mean) / spread
+        else:
+            s = s - v.get("frac", 1.0) * mean
     if v.get("line"):
         for b0 in range(0, n, BLOCK):
             blk = s[:, b0:b0 + BLOCK]
