@@ -59,6 +59,13 @@ the selection alone. Measured in 0.9.2 (docs/results.md): Gemma 3 found more key
 fewer, so it is the rule ``keep="question_per_query"`` (a ``knorm-tune`` candidate), not the
 default; this switch makes ``keep="question"`` score that way too (the benchmarks' ``--trend query``)."""
 
+PER_QUERY_LOCAL = 128
+"""The reach of ``keep="question_per_query"``'s per-query local mean (0.9.3; 0.9.2 used
+:data:`LOCAL`, 64). Measured against 64 through the product's prefill (docs/results.md,
+0.9.3): SmolLM2 kept 41 of the full cache's 46 held-out keys (64: 39), Gemma 3 36/36 held out
+(64: 36) and 14 of 16 on five fresh READMEs (64: 13), and Gemma 3's summary of six fresh
+READMEs recovered 83.6% (64: 78.4%)."""
+
 REPEAT_SHORTEST = 4
 """A sentence piece of at least this many tokens that repeats an earlier piece token for token
 ranks after every piece that does not (:func:`repeated_pieces`): shorter ones (a line break, a

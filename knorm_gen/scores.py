@@ -42,6 +42,7 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
+from . import question as Q
 from .question import REPEAT_PENALTY, question_scores
 
 ScoreFn = Callable[[mx.array, mx.array, Optional[mx.array]], mx.array]
@@ -146,13 +147,13 @@ def score_leverage(keys: mx.array, positions: mx.array, anchor: Optional[mx.arra
 
 
 def score_question(keys: mx.array, positions: mx.array, anchor: Optional[tuple] = None,
-                   per_query: Optional[bool] = None) -> mx.array:
+                   per_query: Optional[bool] = None, local: Optional[int] = None) -> mx.array:
     """Minus the attention the job's instructions would give the key: ``anchor`` is
     the probe ``(queries (B, H, M, D), pieces (B, P)[, repeated (B, P)])`` of
     :func:`knorm_gen.question.make_probe`; the score is :func:`knorm_gen.question.question_scores`
     with each token in its sentence piece (a position past the probed prompt, a generated
     token, is a piece of its own), less :data:`~knorm_gen.question.REPEAT_PENALTY` in a
-    piece that repeats an earlier one (``per_query``: as :func:`question_scores`). Static: it
+    piece that repeats an earlier one (``per_query``, ``local``: as :func:`question_scores`). Static: it
     depends on the key and the probe only."""
     if anchor is None:
         raise ValueError("keep='question' scores keys against a probe of the job's instructions, and this cache has "
@@ -163,7 +164,7 @@ def score_question(keys: mx.array, positions: mx.array, anchor: Optional[tuple] 
     last = pieces.shape[-1] - 1
     inside = mx.take_along_axis(pieces, mx.minimum(pos, last), axis=-1)
     seg = mx.where(pos <= last, inside, pieces[:, last:] + pos - last)
-    s = question_scores(keys, queries, seg, per_query=per_query)
+    s = question_scores(keys, queries, seg, local=local, per_query=per_query)
     if not repeated:
         return -s
     again = mx.logical_and(pos <= last, mx.take_along_axis(repeated[0], mx.minimum(pos, last), axis=-1))
@@ -172,11 +173,12 @@ def score_question(keys: mx.array, positions: mx.array, anchor: Optional[tuple] 
 
 def score_question_per_query(keys: mx.array, positions: mx.array, anchor: Optional[tuple] = None) -> mx.array:
     """:func:`score_question` with each probe query's own mean within
-    :data:`~knorm_gen.question.LOCAL` positions taken out before the best query is taken
-    (0.9.2): a query that scores whole regions high no longer decides the selection alone.
+    :data:`~knorm_gen.question.PER_QUERY_LOCAL` positions taken out before the best query is
+    taken (0.9.2; a reach of 128 since 0.9.3): a query that scores whole regions high no
+    longer decides the selection alone.
     On Gemma 3 it kept more keys than ``question``, on SmolLM2 fewer (docs/results.md), so
     it is a ``knorm-tune`` candidate (``--arms question_per_query_rec25``), not the default."""
-    return score_question(keys, positions, anchor, per_query=True)
+    return score_question(keys, positions, anchor, per_query=True, local=Q.PER_QUERY_LOCAL)
 
 
 SCORES: dict[str, ScoreFn] = {

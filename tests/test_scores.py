@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from knorm_gen import L2NormKVCache
-from knorm_gen.question import LOCAL
+from knorm_gen.question import LOCAL, PER_QUERY_LOCAL
 from knorm_gen.scores import ANCHORED, PROBED, RUNNING, SCORES, pack_ranks, rank_positions
 
 from .conftest import LeverageReference, numpy_anchored_score, numpy_running_kept
@@ -22,6 +22,21 @@ def question_probe(heads, dim, t, seed):
     q = rng.normal(size=(1, heads, 6, dim))
     q /= np.linalg.norm(q, axis=-1, keepdims=True)
     return q.astype(np.float32), np.cumsum(rng.random(t) < 0.3)
+
+
+def per_query_reference(keys, q, pieces, reach):
+    """(1, H, N) float64 question_per_query scores (higher kept first): each query less its
+    own mean within ``reach`` positions either side, then the best query, then the piece's best."""
+    k, qq = keys[0].astype(np.float64), q[0].astype(np.float64)
+    n = k.shape[1]
+    s = np.empty((k.shape[0], n))
+    for h in range(k.shape[0]):
+        per = k[h] @ qq[h].T
+        s[h] = [(per[i] - per[max(0, i - reach):i + reach + 1].mean(axis=0)).max() for i in range(n)]
+    for g in set(pieces.tolist()):
+        at = pieces == g
+        s[:, at] = s[:, at].max(axis=-1, keepdims=True)
+    return s[None]
 
 
 def rule_cache(keep, keys, seed, budget=BUDGET, n_sink=N_SINK, recent=RECENT):
@@ -61,18 +76,9 @@ def numpy_block_scores(keep, keys, seed):
     if keep == "question":
         q, pieces = question_probe(keys.shape[1], keys.shape[3], keys.shape[2], seed)
         return -reference_scores(keys, q, [list(pieces)], LOCAL)
-    if keep == "question_per_query":  # each query less its own mean within LOCAL, then the best, then the piece's best
+    if keep == "question_per_query":
         q, pieces = question_probe(keys.shape[1], keys.shape[3], keys.shape[2], seed)
-        k, qq = keys[0], q[0].astype(np.float64)
-        n = k.shape[1]
-        s = np.empty((k.shape[0], n))
-        for h in range(k.shape[0]):
-            per = k[h] @ qq[h].T
-            s[h] = [(per[i] - per[max(0, i - LOCAL):i + LOCAL + 1].mean(axis=0)).max() for i in range(n)]
-        for g in set(pieces.tolist()):
-            at = pieces == g
-            s[:, at] = s[:, at].max(axis=-1, keepdims=True)
-        return -s[None]
+        return -per_query_reference(keys, q, pieces, PER_QUERY_LOCAL)
     raise AssertionError(f"no numpy reference for the rule {keep!r}: write one here")
 
 
@@ -248,3 +254,16 @@ def test_presets_are_layouts_the_fields_override():
     assert (intrinsic.keep, intrinsic.early_rule(), intrinsic.coverage) == ("blend", "leverage", 0.25)
     assert intrinsic.resolved(30).layers == tuple((64, 32) for _ in range(30))  # every layer bounded, the recent half
     assert set(PRESETS) == {"paper", "retrieval", "summarize", "question", "intrinsic", "auto"}
+
+
+def test_question_per_query_takes_out_the_mean_within_its_own_reach():
+    # The suite's blocks are shorter than either reach; here a prompt of 600 positions tells
+    # PER_QUERY_LOCAL apart from the question rule's LOCAL.
+    n = 600
+    keys = np.random.default_rng(7).normal(size=(1, 2, n, 16)).astype(np.float32)
+    q, pieces = question_probe(2, 16, n, 0)
+    positions = mx.broadcast_to(mx.arange(n)[None, None], (1, 2, n))
+    got = -np.array(SCORES["question_per_query"](mx.array(keys), positions, (mx.array(q), mx.array(pieces)[None])))
+    want = per_query_reference(keys, q, pieces, PER_QUERY_LOCAL)
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    assert PER_QUERY_LOCAL != LOCAL and np.abs(per_query_reference(keys, q, pieces, LOCAL) - want).max() > 1e-2
