@@ -9,6 +9,11 @@
         --out benchmarks/results/layer_retention-M-tune-bestof.json
     python benchmarks/layer_retention.py --model M --readmes tqdm,rich,regex,pydantic,typer,tokenizers --docs 6 \
         --variants local64,zlocal64,qlocal128,zlocal128 --out benchmarks/results/layer_retention-M-readmes-tune-z.json
+    python benchmarks/layer_retention.py --model M --split tune --docs 10 \
+        --variants local64,carry0.125_local64,carry0.25_local64 --out benchmarks/results/layer_retention-M-tune-carry.json
+    python benchmarks/layer_retention.py --model M --readmes tqdm,rich,regex,pydantic,typer,tokenizers --docs 6 \
+        --variants local64,carry0.125_local64,carry0.25_local64[,carry0.5_local64] \
+        --out benchmarks/results/layer_retention-M-readmes-tune-carry.json                 # 0.9.3
 
 The proxy behind 0.9.1 (docs/results.md). Per case (each document cut to 2,048 then
 1,536 tokens as ``choose_default.py`` cuts it, the key sentence at depths 0.25 and
@@ -25,7 +30,9 @@ positions, ``halfN`` half the mean within N, ``annulusN_E`` the mean within N le
 the E nearest, ``line_lpA`` ``line`` less A x log2 of the piece's length, ``qlocalN`` each probe query's
 own mean within N taken out before the best is taken, ``zlocalN`` the mean within N out and the
 result divided by the standard deviation within N, ``bestofA_B`` the larger of
-``localA``'s and ``qlocalB``'s piece scores.
+``localA``'s and ``qlocalB``'s piece scores, ``carryF_BASE`` variant BASE with a share F of each
+head's rule slots (after the first bounded layer) kept for the pieces with the best standardised
+score (over the evictable, unrepeated positions) of any head of the bounded layers before it.
 """
 import argparse
 import json
@@ -65,11 +72,14 @@ def variant(name: str) -> dict:
         return dict(local=int(name[6:]), z=True)
     if name.startswith("qlocal"):
         return dict(local=int(name[6:]), perq=True)
+    if name.startswith("carry"):  # carryF_BASE: a share F of the rule's slots to the earlier layers' best
+        share, base = name[5:].split("_", 1)
+        return dict(variant(base), carry=float(share))
     if name.startswith("annulus"):
         reach, near = name[7:].split("_")
         return dict(local=int(reach), near=int(near))
     raise SystemExit(f"--variants: unknown {name!r}; choose local64, none, line, line_lpA, halfN, qlocalN, zlocalN, bestofA_B, "
-                     "annulusN_E")
+                     "annulusN_E, carryF_BASE")
 
 
 def window_sum(x: np.ndarray, reach: int) -> tuple[np.ndarray, np.ndarray]:
@@ -166,13 +176,25 @@ def main(argv=None) -> dict:
         row = dict(doc=name, depth=depth, key=key, tokens=n, budget=budget)
         for vname, v in settings.items():
             kept = []
+            carry = None  # per position, the best standardised piece score of the earlier bounded layers' heads
             for li in layers:
                 queries, pieces, repeated = probe[li]
-                s = scores(calls[li][1], queries, np.array(pieces)[0, :n], np.array(repeated)[0, :n], v)
+                rep = np.array(repeated)[0, :n]
+                s = scores(calls[li][1], queries, np.array(pieces)[0, :n], rep, v)
                 for r in range(s.shape[0]):
-                    order = np.argsort(-np.where(evictable, s[r], np.inf), kind="stable")[:budget]
+                    rank = np.where(evictable, s[r], np.inf)
+                    if carry is not None:  # the carried share first, then the head's own scores
+                        share = int(v["carry"] * max(budget - int((~evictable).sum()), 0))
+                        rank[np.argsort(-carry, kind="stable")[:share]] = np.inf
+                    order = np.argsort(-rank, kind="stable")[:budget]
                     keep = set(order.tolist())
                     kept.append(any(all(i in keep for i in m) for m in mentions))
+                if v.get("carry"):
+                    ok = evictable & ~rep
+                    mu = s[:, ok].mean(axis=1, keepdims=True)
+                    sd = np.maximum(s[:, ok].std(axis=1, keepdims=True), 1e-12)
+                    z = np.where(ok[None], (s - mu) / sd, -np.inf).max(axis=0)
+                    carry = z if carry is None else np.maximum(carry, z)
             row[vname] = float(np.mean(kept))
         rows.append(row)
         print(f"{name:28s} {depth:.2f} " + " ".join(f"{v}:{row[v]:.2f}" for v in names), flush=True)

@@ -15,6 +15,8 @@ def add_rule_switches(ap: argparse.ArgumentParser, prompt_probe: bool = False) -
                     "takes out of a block's scores: the mean score within 64 positions (the product's), the "
                     "block's least-squares line over its positions (tried in 0.9.1, not kept), or each probe "
                     "query's own mean within 64 positions before the best query is taken (tried in 0.9.2)")
+    ap.add_argument("--local", type=int, default=0, help="the positions either side whose mean --trend local or "
+                    "query takes out (knorm_gen.question.LOCAL; 0: the product's, 64)")
 
 
 def apply_rule_switches(args: argparse.Namespace) -> None:
@@ -32,3 +34,7 @@ def apply_rule_switches(args: argparse.Namespace) -> None:
         Q.DETREND, Q.LOCAL = True, 0
     elif args.trend == "query":
         Q.PER_QUERY = True
+    if getattr(args, "local", 0) < 0:
+        raise SystemExit(f"--local {args.local}: give a number of positions, 1 or more (0: the product's {Q.LOCAL})")
+    if getattr(args, "local", 0) and args.trend != "line":
+        Q.LOCAL = args.local
