@@ -177,15 +177,15 @@ def main(argv=None) -> dict:
         for vname, v in settings.items():
             kept = []
             carry = None  # per position, the best standardised piece score of the earlier bounded layers' heads
+            share = int(v.get("carry", 0.0) * max(budget - int((~evictable).sum()), 0))
             for li in layers:
                 queries, pieces, repeated = probe[li]
                 rep = np.array(repeated)[0, :n]
                 s = scores(calls[li][1], queries, np.array(pieces)[0, :n], rep, v)
+                carried = np.argsort(-carry, kind="stable")[:share] if carry is not None else []
                 for r in range(s.shape[0]):
                     rank = np.where(evictable, s[r], np.inf)
-                    if carry is not None:  # the carried share first, then the head's own scores
-                        share = int(v["carry"] * max(budget - int((~evictable).sum()), 0))
-                        rank[np.argsort(-carry, kind="stable")[:share]] = np.inf
+                    rank[carried] = np.inf  # the carried share first, then the head's own scores
                     order = np.argsort(-rank, kind="stable")[:budget]
                     keep = set(order.tolist())
                     kept.append(any(all(i in keep for i in m) for m in mentions))

@@ -34,7 +34,10 @@ def apply_rule_switches(args: argparse.Namespace) -> None:
         Q.DETREND, Q.LOCAL = True, 0
     elif args.trend == "query":
         Q.PER_QUERY = True
-    if getattr(args, "local", 0) < 0:
+    if args.local < 0:
         raise SystemExit(f"--local {args.local}: give a number of positions, 1 or more (0: the product's {Q.LOCAL})")
-    if getattr(args, "local", 0) and args.trend != "line":
+    if args.local and args.trend == "line":
+        raise SystemExit(f"--local {args.local} with --trend line: the line takes no local mean; drop --local or "
+                         "choose --trend local or query")
+    if args.local:
         Q.LOCAL = args.local

@@ -42,8 +42,7 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
-from . import question as Q
-from .question import REPEAT_PENALTY, question_scores
+from .question import PER_QUERY_LOCAL, REPEAT_PENALTY, question_scores
 
 ScoreFn = Callable[[mx.array, mx.array, Optional[mx.array]], mx.array]
 
@@ -178,7 +177,7 @@ def score_question_per_query(keys: mx.array, positions: mx.array, anchor: Option
     longer decides the selection alone.
     On Gemma 3 it kept more keys than ``question``, on SmolLM2 fewer (docs/results.md), so
     it is a ``knorm-tune`` candidate (``--arms question_per_query_rec25``), not the default."""
-    return score_question(keys, positions, anchor, per_query=True, local=Q.PER_QUERY_LOCAL)
+    return score_question(keys, positions, anchor, per_query=True, local=PER_QUERY_LOCAL)
 
 
 SCORES: dict[str, ScoreFn] = {
