@@ -17,6 +17,9 @@ def add_rule_switches(ap: argparse.ArgumentParser, prompt_probe: bool = False) -
                     "query's own mean within 64 positions before the best query is taken (tried in 0.9.2)")
     ap.add_argument("--local", type=int, default=0, help="the positions either side whose mean --trend local or "
                     "query takes out (knorm_gen.question.LOCAL; 0: the product's, 64)")
+    ap.add_argument("--carry", type=float, default=None, help="the share of a question_carry layer's rule slots "
+                    "kept for the earlier layers' best positions (knorm_gen.question.CARRY_SHARE; default: the "
+                    "product's, 0.25); only the question_carry arms read it")
 
 
 def apply_rule_switches(args: argparse.Namespace) -> None:
@@ -41,3 +44,7 @@ def apply_rule_switches(args: argparse.Namespace) -> None:
                          "choose --trend local or query")
     if args.local:
         Q.LOCAL = args.local
+    if args.carry is not None:
+        if not 0.0 <= args.carry < 1.0:
+            raise SystemExit(f"--carry {args.carry}: give a share of the rule's slots, 0 <= F < 1")
+        Q.CARRY_SHARE = args.carry

@@ -35,7 +35,7 @@ import knorm_gen  # noqa: F401  (BLAS preload first)
 from knorm_gen import EvictionConfig, answer_questions, generate_with_eviction
 from knorm_gen.models import load_model
 from knorm_gen.prompts import as_tokenizer, has_chat_template
-from knorm_gen.tune import FILLERS, KEY_CUE, KEY_QUESTION, filler_text, with_needle
+from knorm_gen.tune import CANDIDATES, FILLERS, KEY_CUE, KEY_QUESTION, filler_text, with_needle
 
 from rule_switches import add_rule_switches, apply_rule_switches
 
@@ -70,6 +70,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--add-to", default="")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
+    bad = [a for a in args.arms.split(",") if a not in ("default", "full", "random", *CANDIDATES)]
+    if bad:
+        ap.error(f"--arms: unknown {', '.join(bad)}; choose default, full, random or a knorm-tune candidate")
     unknown = [n for n in args.fillers.split(",") if n not in ALL]
     if unknown:  # before any model work
         ap.error(f"--fillers: unknown {', '.join(unknown)}; choose from {', '.join(ALL)}")
@@ -95,7 +98,8 @@ def main(argv=None) -> dict:
                     continue
                 eviction = (EvictionConfig(budget=None) if arm == "full" else
                             EvictionConfig(budget=budget, keep="random", early_keep="auto", recent_share=0.125)
-                            if arm == "random" else EvictionConfig(budget=budget))
+                            if arm == "random" else EvictionConfig(budget=budget, **CANDIDATES[arm])
+                            if arm in CANDIDATES else EvictionConfig(budget=budget))
                 tic = time.perf_counter()
                 if mode == "prompt":
                     r = generate_with_eviction(model, tok, context + "\n\n" + question, eviction=eviction,

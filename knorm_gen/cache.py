@@ -37,10 +37,12 @@ from .config import EvictionConfig, ResolvedEviction, validate_eviction_args
 from . import quant
 from .mlx_compat import _BaseCache, create_attention_mask, is_full_attention, make_prompt_cache, register_cache_class
 from .quant import Stored
+from . import question
 from .question import make_probe
-from .scores import (ALL_EVICTABLE, PAD, PROBED, PROTECTED, RUNNING, Spans, block_ranks, capacity, check_spans,
-                     cover_slots, evict_key, evictable_from, open_ended, pin_from, pinned_count, rank_positions, rescore,
-                     running_reference, running_update, running_zeros, span_array)
+from .scores import (ALL_EVICTABLE, CARRIED, PAD, PROBED, PROTECTED, RUNNING, Spans, block_ranks, capacity,
+                     carry_slots, carry_tier, carry_values, check_spans, cover_slots, evict_key, evictable_from,
+                     open_ended, pin_from, pinned_count, rank_positions, rescore, running_reference, running_update,
+                     running_zeros, span_array)
 
 
 UNBOUNDED = 1 << 40
@@ -97,6 +99,11 @@ class EvictionKVCache(_BaseCache):
         # keep="question" (scores.PROBED): the probe of the job's instructions, (queries, pieces, repeated)
         # (set_probe), fixed; dropped when the cache is pinned, as no later token is evictable.
         self.probe: Optional[tuple[mx.array, mx.array, mx.array]] = None
+        # keep="question_carry" (scores.CARRIED), set with the probe: the same prompt's earlier such layers, whose
+        # best standardised score per position this layer carries, and its own (B, positions) and running stats.
+        self.carry_from: Optional[list] = None
+        self.carry_board: Optional[mx.array] = None
+        self.carry_stats: Optional[mx.array] = None
 
     # ---- mlx_lm protocol -------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -119,6 +126,12 @@ class EvictionKVCache(_BaseCache):
         # Scored in full precision, stored (and attended) quantized when kv_bits is set.
         rank = block_ranks(self.keep, self.n_sink, keys, self.offset, anchor, spans,
                            pinned=self.keep in PROBED and not evictable_from(self.spans, self.offset))
+        if self.carry_from is not None and n > 1:  # decode tokens are never carried
+            board, self.carry_stats = carry_values(rank, self.carry_stats)
+            if self.carry_board is not None and self.carry_board.shape[-1] < self.offset:  # decoded since: none
+                gap = mx.full((1, self.offset - self.carry_board.shape[-1]), -mx.inf, mx.float32)
+                self.carry_board = mx.concatenate([self.carry_board, gap], axis=-1)
+            self.carry_board = board if self.carry_board is None else mx.concatenate([self.carry_board, board], -1)
         keys, values = self._store(keys, values)
         self.offset += n
         limit = self.limit
@@ -151,6 +164,7 @@ class EvictionKVCache(_BaseCache):
         self.keys, self.values = quant.as_stored(self.keys), quant.as_stored(self.values)
         self.key_sum = v[11] if len(v) > 11 else None
         self.probe = None  # not saved: a loaded question cache takes a new one (set_probe) or stays pinned
+        self.carry_from = self.carry_board = self.carry_stats = None  # nor is the board: it serves one prefill
         self._set_quantization(int(v[14]) or None if len(v) > 14 else None,
                                int(v[15]) if len(v) > 15 else EvictionConfig.kv_group_size)
         if len(v) > 12:
@@ -189,6 +203,7 @@ class EvictionKVCache(_BaseCache):
         state = 0 if self.key_sum is None else self.key_sum.nbytes
         if self.probe is not None:
             state += sum(x.nbytes for x in self.probe)
+        state += sum(x.nbytes for x in (self.carry_board, self.carry_stats) if x is not None)
         return quant.nbytes(self.keys) + quant.nbytes(self.values) + self.rank.nbytes + state
 
     def is_trimmable(self) -> bool:
@@ -269,6 +284,7 @@ class EvictionKVCache(_BaseCache):
         """Pin every later token (a question over a compressed context, and its answer)."""
         self.spans = pin_from(self.spans, self.offset)
         self.probe = None  # nothing later is evictable: the probe has done its work
+        self.carry_from = self.carry_board = self.carry_stats = None
 
     @property
     def pinned(self) -> bool:
@@ -353,7 +369,16 @@ class EvictionKVCache(_BaseCache):
         return cover_slots(self.budget, self.coverage, self.n_sink + self.recent)
 
     def _evict_key(self, rank: mx.array) -> mx.array:
-        return evict_key(rank, self.offset, self.recent, self._cover_slots)
+        key = evict_key(rank, self.offset, self.recent, self._cover_slots)
+        boards = [c.carry_board for c in self.carry_from or () if c.carry_board is not None]
+        if boards:  # a question_carry layer after the first: the earlier ones' best positions next
+            width = min(x.shape[-1] for x in boards)
+            carry = boards[0][:, :width]
+            for x in boards[1:]:
+                carry = mx.maximum(carry, x[:, :width])
+            share = carry_slots(self.budget, question.CARRY_SHARE, self.n_sink + self.recent + self._cover_slots)
+            key = carry_tier(key, carry, share)
+        return key
 
     def _compact(self) -> None:
         if self.free is not None:
@@ -821,12 +846,18 @@ def make_eviction_cache(model: nn.Module, config: Union[EvictionConfig, Resolved
 def set_probe(caches: Sequence[Any], probe: Sequence[tuple[mx.array, mx.array, mx.array]]) -> list:
     """Hand each eviction layer whose rule is in :data:`~knorm_gen.scores.PROBED`
     (``keep="question"``) its layer's probe (:func:`knorm_gen.question.make_probe`);
-    returns the list."""
+    returns the list. The ``question_carry`` layers (:data:`~knorm_gen.scores.CARRIED`)
+    are linked in layer order, the order a forward pass updates them: each carries the
+    earlier ones' best positions (:func:`knorm_gen.scores.carry_tier`)."""
     if len(probe) != len(caches):
         raise ValueError(f"a probe of {len(probe)} layers for {len(caches)} caches")
+    carriers: list = []
     for c, p in zip(caches, probe):
         if isinstance(c, EvictionKVCache) and c.keep in PROBED:
             c.probe = p
+            if c.keep in CARRIED and c.bounded:
+                c.carry_from, c.carry_board, c.carry_stats = list(carriers), None, None
+                carriers.append(c)
     return list(caches)
 
 

@@ -560,13 +560,14 @@ def stats_line(result: Any) -> str:
 @click.option("--job", "job_kind", type=click.Choice(("summarize", "retrieve", "both")), default="both",
               show_default=True, help="What the layout is chosen for.")
 @click.option("--arms", default=None, help="Candidates, comma-separated (default: the default layout (the question "
-              "rule, the recent quarter), --preset intrinsic, the blend in every layer, the other bounded rules with "
+              "rule carrying the earlier layers' best, the recent quarter), --preset intrinsic, the blend in every layer, the other bounded rules with "
               "its coverage and recent half, keep-low alone, --preset question and random eviction). All: "
               + ",".join(("keydiff", "low", "blend", "low_cov25", "low_cov50", "keydiff_cov25", "keydiff_cov50",
                           "blend_cov25", "blend_cov50", "blend_cov75", "leverage", "leverage_cov25",
                           "lev30_blend_cov25_rec50", "blend_cov25_rec50", "keydiff_cov25_rec50", "low_cov25_rec50",
                           "leverage_cov25_rec50", "retrieval", "retrieval_cov25", "paper", "question", "question_rec25",
-                          "question_per_query_rec25", "question_rec50", "lev30_question", "mix", "random")))
+                          "question_per_query_rec25", "question_carry_rec25", "question_per_query_carry_rec25",
+                          "question_rec50", "lev30_question", "mix", "random")))
 @click.option("--mix", "with_mix", is_flag=True, help="Also measure a per-layer mix: each layer takes the rule "
               "(blend, keydiff, low or leverage, with --preset intrinsic's coverage and recent half) with the least "
               "attention error on held queries "

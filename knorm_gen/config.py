@@ -26,9 +26,11 @@ paper's; ``high`` its ablation; ``keydiff`` (arXiv:2504.15364) keeps the keys le
 like the head's mean direction; ``blend`` adds the paper's log norm to KeyDiff's
 cosine; ``leverage`` (Compactor, arXiv:2507.08143) keeps the keys of highest
 statistical leverage against the head's keys seen; ``question`` keeps the document
-keys the job's instructions would attend to (:mod:`knorm_gen.question`, the default),
-``question_per_query`` the same with each probe query's own local mean taken out first
-(a ``knorm-tune`` candidate); ``random`` and ``recent``
+keys the job's instructions would attend to (:mod:`knorm_gen.question`; 0.7-0.9's default),
+``question_carry`` the same with a share of each later layer's slots kept for what the
+earlier layers scored best (the default since 0.10), ``question_per_query`` the question
+rule with each probe query's own local mean taken out first (a ``knorm-tune`` candidate),
+``question_per_query_carry`` that, carrying; ``random`` and ``recent``
 (StreamingLLM: sinks + most recent) are baselines."""
 
 EARLY_FRACTION = 0.3
@@ -319,16 +321,19 @@ class EvictionConfig:
     n_sink: int = _setting(4, "Leading tokens never evicted.")
     recent: Optional[int] = _setting(None, "Most recent tokens never evicted (overrides --recent-share).",
                                      default_text="--recent-share x budget")
-    keep: str = _setting("question", "question = keep the document keys the instructions after the document would "
-                         "attend to (probed first; the default); question_per_query = the same, each probe query's own local mean "
-                         "taken out first (a knorm-tune candidate); low = keep low key norms (the paper's L2Norm rule); "
+    keep: str = _setting("question_carry", "question_carry = keep the document keys the instructions after the "
+                         "document would attend to (probed first), each layer after the first keeping a quarter of its "
+                         "rule's slots for the positions the earlier layers scored best (the default); question = the "
+                         "same without carrying (0.7-0.9's default); question_per_query = the question rule, each probe "
+                         "query's own local mean taken out first (a knorm-tune candidate), question_per_query_carry = "
+                         "that, carrying; low = keep low key norms (the paper's L2Norm rule); "
                          "keydiff = keep keys least like the head's mean; blend = both (--preset intrinsic, with "
                          "leverage in the early layers: --early-keep); leverage = keep keys unlike the rest by "
                          "statistical leverage; high = ablation; random/recent = baselines.",
                          choices=KEEP_MODES)
     early_keep: str = _setting(
         "auto", "Rule of the first 30% of the full-attention layers (at least two): auto = leverage under "
-        "--keep blend (--preset intrinsic), else the --keep rule (the default: question); or a rule name. --layer-keep overrides it per layer.",
+        "--keep blend (--preset intrinsic), else the --keep rule (the default: question_carry); or a rule name. --layer-keep overrides it per layer.",
         choices=("auto", *KEEP_MODES))
     skip_layers: Optional[tuple[int, ...]] = _setting(
         (), "Layers left uncompressed (their memory grows with the input), e.g. '0,1' or '0-8'; 'none' "

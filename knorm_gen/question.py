@@ -66,6 +66,13 @@ PER_QUERY_LOCAL = 128
 (64: 36) and 14 of 16 on five fresh READMEs (64: 13), and Gemma 3's summary of six fresh
 READMEs recovered 83.6% (64: 78.4%)."""
 
+CARRY_SHARE = 0.25
+"""The share of a ``keep="question_carry"`` layer's rule slots (the budget less its sinks,
+recent window and coverage) kept for the positions the earlier such layers of the prompt
+scored best (:func:`knorm_gen.scores.carry_tier`; 0.10). On Gemma 3 the first bounded
+layer ranked a lost key's sentence near its top and a later layer dropped it
+(docs/results.md, 0.9.3); carried, every later layer keeps what an earlier one found."""
+
 REPEAT_SHORTEST = 4
 """A sentence piece of at least this many tokens that repeats an earlier piece token for token
 ranks after every piece that does not (:func:`repeated_pieces`): shorter ones (a line break, a

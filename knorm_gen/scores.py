@@ -32,7 +32,9 @@ state over every token seen, updated by :func:`running_update` and read by
 ``question`` (:data:`PROBED`) is the one rule that looks outside the keys: it
 scores them against a probe of the job's own instructions, made before the
 document is read (:mod:`knorm_gen.question`); its reference is that probe, fixed,
-so held keys are never re-scored.
+so held keys are never re-scored. ``question_carry`` (:data:`CARRIED`) scores the same way;
+its layers share what they scored best (:func:`carry_values`), and each later one keeps
+a share of its slots for that (:func:`carry_tier`).
 """
 
 from __future__ import annotations
@@ -180,6 +182,19 @@ def score_question_per_query(keys: mx.array, positions: mx.array, anchor: Option
     return score_question(keys, positions, anchor, per_query=True, local=PER_QUERY_LOCAL)
 
 
+def score_question_carry(keys: mx.array, positions: mx.array, anchor: Optional[tuple] = None) -> mx.array:
+    """:func:`score_question`, the same score per key (0.10): what differs is the cache's
+    selection. In a prompt's caches a ``question_carry`` layer after the first keeps a
+    share (:data:`~knorm_gen.question.CARRY_SHARE`) of its rule's slots for the positions
+    the earlier such layers scored best (:func:`carry_tier`); alone it is ``question``."""
+    return score_question(keys, positions, anchor)
+
+
+def score_question_per_query_carry(keys: mx.array, positions: mx.array, anchor: Optional[tuple] = None) -> mx.array:
+    """:func:`score_question_per_query`, its layers carrying like ``question_carry``'s (0.10)."""
+    return score_question_per_query(keys, positions, anchor)
+
+
 SCORES: dict[str, ScoreFn] = {
     "low": score_low,
     "high": score_high,
@@ -190,15 +205,22 @@ SCORES: dict[str, ScoreFn] = {
     "leverage": score_leverage,
     "question": score_question,
     "question_per_query": score_question_per_query,
+    "question_carry": score_question_carry,
+    "question_per_query_carry": score_question_per_query_carry,
 }
 
 ANCHORED = frozenset({"keydiff", "blend"})
 """The rules that score against the running anchor (block-size dependent, see above)."""
 
-PROBED = frozenset({"question", "question_per_query"})
+PROBED = frozenset({"question", "question_per_query", "question_carry", "question_per_query_carry"})
 """The rules that score against a probe of the job's instructions, set before the
 prefill (:func:`knorm_gen.cache.set_probe`) and fixed; the caches hand it over as
 the anchor and never re-score held keys."""
+
+CARRIED = frozenset({"question_carry", "question_per_query_carry"})
+"""The probed rules whose layers share a board in one prompt's caches (:func:`knorm_gen.cache.set_probe`):
+each writes its best standardised score per position (:func:`carry_values`), and each after the first
+keeps a share of its slots for the best of the earlier ones' (:func:`carry_tier`)."""
 
 RUNNING = ANCHORED | {"leverage"}
 """The rules with running state over every token seen: a block of more than one
@@ -321,6 +343,9 @@ PROTECTED = -(1 << 63)
 # Coverage tokens rank above every protected one and below any real score (the
 # lowest finite float32, -inf, packs to about -(2**31 - 2**23) << 32).
 COVERED = PROTECTED + (1 << 34)
+# Carried tokens (:func:`carry_tier`) rank after the coverage ones and before any real score.
+CARRIED_TIER = COVERED + (1 << 33)
+_SCORED = CARRIED_TIER + (1 << 33)  # every rank at or above it packs a real score
 PAD = (1 << 63) - 1
 NO_END = 1 << 62  # the end of a span that runs on for ever
 ALL_EVICTABLE: tuple = ((0, NO_END),)
@@ -332,6 +357,19 @@ def _ordered_bits(score: mx.array) -> mx.array:
     """float32 -> int64 in [-2**31, 2**31) with the same order (IEEE-754 sign-magnitude)."""
     bits = mx.view(score.astype(mx.float32), mx.int32).astype(mx.int64)
     return mx.where(bits < 0, -bits - (1 << 31) - 1, bits)
+
+
+def unpack_scores(rank: mx.array) -> mx.array:
+    """The float32 scores packed in ranks (:func:`pack_ranks`); meaningless where
+    :func:`scored` is False (pinned, protected, covered, carried or PAD)."""
+    bits = mx.right_shift(rank, 32)
+    bits = mx.where(bits < 0, -bits - (1 << 31) - 1, bits).astype(mx.int32)
+    return mx.view(bits, mx.float32)
+
+
+def scored(rank: mx.array) -> mx.array:
+    """Whether each rank packs a rule's score (not a pinned, protected, covered, carried or PAD one)."""
+    return mx.logical_and(rank >= _SCORED, rank != PAD)
 
 
 def pack_ranks(score: mx.array, positions: mx.array, n_sink: int, spans: Optional[mx.array] = None) -> mx.array:
@@ -518,3 +556,56 @@ def capacity(rows: int, limit: int, grows: bool) -> int:
     step writes into, unless the row ``grows`` (every later token is pinned)."""
     cap = -(-rows // STEP) * STEP
     return cap if grows else max(rows, min(cap, limit + 1))
+
+
+# ---- carrying: what earlier layers scored best -------------------------------------
+def carry_slots(budget: int, share: float, reserved: int = 0) -> int:
+    """Slots of a ``budget`` a ``question_carry`` layer keeps for carried positions:
+    ``share`` of those left to the rule beside the ``reserved`` ones (sinks, the recent
+    window, coverage). Fixed by the budget, so the layer stays bounded as input grows."""
+    return int(share * max(budget - reserved, 0))
+
+
+def carry_values(rank: mx.array, stats: Optional[mx.array]) -> tuple[mx.array, mx.array]:
+    """``(values (B, N), stats (B, H, 3))``: a block's best standardised score per position
+    over a layer's heads, and the running per-(row, head) count, sum and sum of squares of
+    the scores it standardises by (``stats`` those before the block; None: none yet).
+
+    A head's score (minus the packed one: higher kept first) is standardised by the mean and
+    spread of every score it has ranked so far, this block's included, over the positions
+    that are scored and not in a repeated piece (a repeated piece's score is lowered by
+    :data:`~knorm_gen.question.REPEAT_PENALTY`); the rest get -inf."""
+    s = -unpack_scores(rank).astype(mx.float32)
+    ok = mx.logical_and(scored(rank), s > -0.5 * REPEAT_PENALTY)
+    x = mx.where(ok, s, 0.0)
+    block = mx.stack([mx.sum(ok.astype(mx.float32), axis=-1), mx.sum(x, axis=-1), mx.sum(x * x, axis=-1)], axis=-1)
+    stats = block if stats is None else stats + block
+    count = mx.maximum(stats[..., 0:1], 1.0)
+    mean = stats[..., 1:2] / count
+    spread = mx.sqrt(mx.maximum(stats[..., 2:3] / count - mean * mean, 1e-12))
+    z = mx.where(ok, (s - mean) / spread, -mx.inf)
+    return mx.max(z, axis=1), stats
+
+
+def carry_tier(key: mx.array, carry: mx.array, slots: int) -> mx.array:
+    """``key`` (:func:`evict_key`) with, per (row, head), the ``slots`` positions of the
+    largest ``carry`` value ``(B, S)`` (indexed by position; -inf or past its end: none)
+    among those ranked by score moved to the carried tier, ranked before any scored
+    token. Re-chosen at every selection, so at most ``slots`` are carried at a time."""
+    if slots <= 0 or carry.shape[-1] == 0:
+        return key
+    pos = rank_positions(key)
+    width = carry.shape[-1]
+    look = mx.take_along_axis(mx.broadcast_to(carry[:, None, :], key.shape[:2] + (width,)),
+                              mx.minimum(pos, width - 1), axis=-1)
+    eligible = mx.logical_and(mx.logical_and(scored(key), pos < width), look > -mx.inf)
+    # (value, position) packed as a rank, so ties (a sentence piece shares one value) go to the earlier position
+    order_key = mx.where(eligible, pack_ranks(-look, pos, 0), PAD)
+    if slots < order_key.shape[-1]:
+        order = mx.argpartition(order_key, kth=slots - 1, axis=-1)[..., :slots]
+    else:
+        order = mx.broadcast_to(mx.arange(order_key.shape[-1], dtype=mx.uint32), order_key.shape)
+    chosen = mx.take_along_axis(eligible, order, axis=-1)
+    at = mx.take_along_axis(pos, order, axis=-1).astype(mx.int64)
+    was = mx.take_along_axis(key, order, axis=-1)
+    return mx.put_along_axis(key, order, mx.where(chosen, CARRIED_TIER + at, was), axis=-1)

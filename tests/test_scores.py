@@ -73,10 +73,10 @@ def numpy_block_scores(keep, keys, seed):
     if keep in ANCHORED:
         anchor = (keys / np.linalg.norm(keys, axis=-1, keepdims=True)).mean(axis=2)[0]
         return numpy_anchored_score(keep, keys[0], anchor)[None]
-    if keep == "question":
+    if keep in ("question", "question_carry"):  # alone (no earlier layer to carry from) question_carry is question
         q, pieces = question_probe(keys.shape[1], keys.shape[3], keys.shape[2], seed)
         return -reference_scores(keys, q, [list(pieces)], LOCAL)
-    if keep == "question_per_query":
+    if keep in ("question_per_query", "question_per_query_carry"):
         q, pieces = question_probe(keys.shape[1], keys.shape[3], keys.shape[2], seed)
         return -per_query_reference(keys, q, pieces, PER_QUERY_LOCAL)
     raise AssertionError(f"no numpy reference for the rule {keep!r}: write one here")

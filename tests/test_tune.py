@@ -144,7 +144,7 @@ def test_a_quick_tuning_on_the_tiny_model_saves_its_choice(tiny_model_dir, tmp_p
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())
     assert record["chosen"] in CANDIDATES and "<- chosen" in result.output
-    assert set(record["table"]) == {"full", "question_rec25", "lev30_blend_cov25_rec50", "low_cov25", "random"}
+    assert set(record["table"]) == {"full", "question_carry_rec25", "lev30_blend_cov25_rec50", "low_cov25", "random"}
     model, _ = load_model(str(tiny_model_dir))
     assert load_tuning(model)["chosen"] == record["chosen"]
 
@@ -446,7 +446,7 @@ def test_prompt_mode_runs_a_whole_prompt_as_generate_with_eviction_does(tiny_mod
     rendered = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                        tokenize=False)
     want_ids = tok.encode(rendered, add_special_tokens=False)
-    for arm, pinned_last in (("question_rec25", True), ("random", False)):
+    for arm, pinned_last in (("question_carry_rec25", True), ("question_rec25", True), ("random", False)):
         config = EvictionConfig(budget=64, **CANDIDATES[arm]).resolved(len(model.layers), tuple(range(len(model.layers))))
         ids, spans = product_prompt(tok, prompt, True, config)
         assert ids == want_ids
