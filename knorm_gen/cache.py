@@ -129,7 +129,7 @@ class EvictionKVCache(_BaseCache):
         if self.carry_from is not None and n > 1:  # decode tokens are never carried
             board, self.carry_stats = carry_values(rank, self.carry_stats)
             if self.carry_board is not None and self.carry_board.shape[-1] < self.offset:  # decoded since: none
-                gap = mx.full((1, self.offset - self.carry_board.shape[-1]), -mx.inf, mx.float32)
+                gap = mx.full((board.shape[0], self.offset - self.carry_board.shape[-1]), -mx.inf, mx.float32)
                 self.carry_board = mx.concatenate([self.carry_board, gap], axis=-1)
             self.carry_board = board if self.carry_board is None else mx.concatenate([self.carry_board, board], -1)
         keys, values = self._store(keys, values)

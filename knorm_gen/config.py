@@ -292,16 +292,17 @@ def _setting(default: Any, help: str, *, parse=None, metavar: Optional[str] = No
 class EvictionConfig:
     """How every compressed layer evicts, as the user states it. ``budget=None``
     means no eviction; ``recent=None`` means :func:`auto_recent` (``recent_share`` of
-    each layer's budget). The default (0.7), ``keep="question"`` in every layer (the
+    each layer's budget). The default (0.10), ``keep="question_carry"`` in every layer (the
     document keys the job's instructions would attend to, probed before the document is
-    read: :mod:`knorm_gen.question`), a quarter of each budget as the most recent tokens
-    (``recent_share=0.25``), no coverage and ``skip_layers=()``, bounds every
-    full-attention layer. It was chosen on a tuning split and checked on documents and
+    read: :mod:`knorm_gen.question`; each layer after the first keeping a quarter of its
+    rule's slots for what the layers before it scored best), a quarter of each budget as the
+    most recent tokens (``recent_share=0.25``), no coverage and ``skip_layers=()``, bounds
+    every full-attention layer. It was chosen on a tuning split and checked on documents and
     fillers held out from it (benchmarks/choose_default.py; docs/results.md): every
     intrinsic layout (the key's norm, KeyDiff, the blend, leverage, coverage) lost the
-    pass keys planted inside real prose; this one found 0.93x of the full cache's on
-    SmolLM2's ten held-out documents and two fillers and 0.94x on Gemma 3's (each key
-    asked after the context and inside one prompt; 0.9), at random eviction's summary
+    pass keys planted inside real prose; this one found 0.91x of the full cache's on
+    SmolLM2's ten held-out documents and two fillers and 1.00x on Gemma 3's (each key
+    asked after the context and inside one prompt; 0.10), at random eviction's summary
     fidelity or above. A cache that is never probed (a plain mlx_lm loop without
     :func:`~knorm_gen.cache.probe_caches`) ranks by the key norm and warns.
     ``skip_layers`` are left uncompressed (their

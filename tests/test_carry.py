@@ -118,5 +118,9 @@ def test_question_carry_stays_within_its_budget_and_drops_the_board_when_pinned(
         assert (c.count, c.offset) == (48 + pinned + (5 if pinned else 0), 305)
         assert c.carry_board.shape == (1, 300)
         assert c.kept_bytes <= c.nbytes
+    tiny_model(mx.array(ids[:8])[None], cache=caches)  # a block after decode steps: the decoded positions carry nothing
+    for c in caches:
+        board = np.array(c.carry_board)[0]
+        assert board.shape == (313,) and np.all(board[300:305] == -np.inf) and c.count == 48 + (13 if pinned else 0) + pinned
     pin_caches(caches)
     assert all(c.carry_board is None and c.carry_from is None for c in caches)

@@ -1,0 +1,47 @@
+"""Prefill time of keep="question_carry" (the default since 0.10) against keep="question", in one run.
+
+    python benchmarks/bench_carry.py --models default,gemma-3-270m
+
+Per model: the first held-out document of ``benchmarks/documents.py`` cut to 2,048 tokens, one
+question asked apart (``answer_questions``, one answer token), budget 512; after one warm-up call,
+three rounds alternating the two rules; prints each rule's median prefill seconds (the probe
+included) and their ratio. Nothing is written.
+"""
+import argparse
+import statistics
+
+import knorm_gen  # noqa: F401  (BLAS preload first)
+from knorm_gen import EvictionConfig, answer_questions
+from knorm_gen.models import load_model
+from knorm_gen.tune import head_tokens
+
+from documents import documents
+
+RULES = ("question", "question_carry")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="default,gemma-3-270m")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    out = {}
+    for spec in args.models.split(","):
+        model, tok = load_model(None if spec == "default" else spec)
+        text = head_tokens(tok, documents(tok)[1].text, 2048)
+        ask = ["Summarize the text above."]
+        answer_questions(model, tok, text, ask, budget=512, max_tokens=1)  # warm-up
+        seconds = {rule: [] for rule in RULES}
+        for _ in range(args.rounds):
+            for rule in RULES:
+                r, = answer_questions(model, tok, text, ask, max_tokens=1, eviction=EvictionConfig(budget=512, keep=rule))
+                seconds[rule].append(r.prefill_s)
+        q, c = (statistics.median(seconds[rule]) for rule in RULES)
+        out[spec] = dict(question=q, question_carry=c, ratio=c / q)
+        print(f"{spec}: prefill median of {args.rounds} (probe included), 2,048 tokens, budget 512: question "
+              f"{q:.2f} s, question_carry {c:.2f} s, ratio {c / q:.3f}", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
