@@ -560,8 +560,9 @@ def stats_line(result: Any) -> str:
 @click.option("--job", "job_kind", type=click.Choice(("summarize", "retrieve", "both")), default="both",
               show_default=True, help="What the layout is chosen for.")
 @click.option("--arms", default=None, help="Candidates, comma-separated (default: the default layout (the question "
-              "rule carrying the earlier layers' best, the recent quarter), --preset intrinsic, the blend in every layer, the other bounded rules with "
-              "its coverage and recent half, keep-low alone, --preset question and random eviction). All: "
+              "rule carrying the earlier layers' best, the recent quarter), the per-query question rule carrying so, --preset "
+              "intrinsic, the blend in every layer, the other bounded rules with its coverage and recent half, keep-low "
+              "alone and random eviction). All: "
               + ",".join(("keydiff", "low", "blend", "low_cov25", "low_cov50", "keydiff_cov25", "keydiff_cov50",
                           "blend_cov25", "blend_cov50", "blend_cov75", "leverage", "leverage_cov25",
                           "lev30_blend_cov25_rec50", "blend_cov25_rec50", "keydiff_cov25_rec50", "low_cov25_rec50",
