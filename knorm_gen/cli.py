@@ -560,8 +560,8 @@ def stats_line(result: Any) -> str:
 @click.option("--job", "job_kind", type=click.Choice(("summarize", "retrieve", "both")), default="both",
               show_default=True, help="What the layout is chosen for.")
 @click.option("--arms", default=None, help="Candidates, comma-separated (default: the default layout (the question "
-              "rule carrying the earlier layers' best, the recent quarter), the per-query question rule carrying so, --preset "
-              "intrinsic, the blend in every layer, the other bounded rules with its coverage and recent half, keep-low "
+              "rule per query, carrying the earlier layers' best, the recent quarter), 0.10's default (the question rule "
+              "carrying so), --preset intrinsic, the blend in every layer, the other bounded rules with its coverage and recent half, keep-low "
               "alone and random eviction). All: "
               + ",".join(("keydiff", "low", "blend", "low_cov25", "low_cov50", "keydiff_cov25", "keydiff_cov50",
                           "blend_cov25", "blend_cov50", "blend_cov75", "leverage", "leverage_cov25",
@@ -743,7 +743,8 @@ def tune_table(record: dict) -> str:
 
     table = record["table"]
     order = [record["chosen"]] + [a for a in table if a not in (record["chosen"], "full")] + ["full"]
-    lines = [f"{'layout':15s} {'fidelity':>8s} {'wins/rand':>9s} {'keys':>7s} {'in docs':>8s} {'filler':>7s} "
+    width = max(15, *(len(a) for a in order))  # a long layout name must not push its row out of the columns
+    lines = [f"{'layout':{width}s} {'fidelity':>8s} {'wins/rand':>9s} {'keys':>7s} {'in docs':>8s} {'filler':>7s} "
              f"{'ppl x':>6s}  memory"]
     for a in order:
         v = table[a]
@@ -753,7 +754,7 @@ def tune_table(record: dict) -> str:
         mark = " <- chosen" if a == record["chosen"] else ""
         filler, filler_full = v.get("filler_keys_of_full", 0), v.get("filler_full_keys", 0)
         in_docs = f"{v['keys_of_full'] - filler}/{v['full_keys'] - filler_full}"
-        lines.append(f"{a:15s} {rec:>8s} {v['wins_vs_random']:>4d}/{v['fidelity_docs']:<4d} "
+        lines.append(f"{a:{width}s} {rec:>8s} {v['wins_vs_random']:>4d}/{v['fidelity_docs']:<4d} "
                      f"{v['keys_of_full']:>3d}/{v['full_keys']:<3d} {in_docs:>8s} {f'{filler}/{filler_full}':>7s} "
                      f"{ppl:>6s}  {mem}{mark}")
     lines.append("keys: found of those the full cache found (in the documents, in repeated filler); "

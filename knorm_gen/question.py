@@ -67,7 +67,7 @@ PER_QUERY_LOCAL = 128
 READMEs recovered 83.6% (64: 78.4%)."""
 
 CARRY_SHARE = 0.25
-"""The share of a ``keep="question_carry"`` layer's rule slots (the budget less its sinks,
+"""The share of a ``keep="question_carry"`` or ``"question_per_query_carry"`` layer's rule slots (the budget less its sinks,
 recent window and coverage) kept for the positions the earlier such layers of the prompt
 scored best (:func:`knorm_gen.scores.carry_tier`; 0.10). On Gemma 3 the first bounded
 layer ranked a lost key's sentence near its top and a later layer dropped it

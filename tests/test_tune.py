@@ -144,7 +144,7 @@ def test_a_quick_tuning_on_the_tiny_model_saves_its_choice(tiny_model_dir, tmp_p
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())
     assert record["chosen"] in CANDIDATES and "<- chosen" in result.output
-    assert set(record["table"]) == {"full", "question_carry_rec25", "lev30_blend_cov25_rec50", "low_cov25", "random"}
+    assert set(record["table"]) == {"full", "question_per_query_carry_rec25", "lev30_blend_cov25_rec50", "low_cov25", "random"}
     model, _ = load_model(str(tiny_model_dir))
     assert load_tuning(model)["chosen"] == record["chosen"]
 
@@ -465,3 +465,17 @@ def test_prompt_mode_runs_a_whole_prompt_as_generate_with_eviction_does(tiny_mod
     rows = Tuner(model, tok, {"random": CANDIDATES["random"]}, modes=("prompt",)).passkey("d", text, "12345", 0.5)
     assert {(r["arm"], r["mode"]) for r in rows} == {("full", "prompt"), ("random", "prompt")}
     assert seen == [want_ids[:-1], want_ids[:-1]]
+
+
+def test_the_tune_table_keeps_its_columns_with_long_layout_names():
+    # Every row's fidelity ends where the header's 'fidelity' ends, whatever the names' lengths.
+    from knorm_gen.cli import tune_table
+
+    row = dict(recovered=0.77, ppl_ratio=1.2, wins_vs_random=3, fidelity_docs=4, keys_of_full=5, full_keys=5,
+               filler_keys_of_full=4, filler_full_keys=4)
+    names = ["question_per_query_carry_rec25", "low", "random", "full"]
+    record = dict(table={n: row for n in names}, chosen="low", layout={}, why="a test")
+    lines = tune_table(record).splitlines()
+    end = lines[0].index("fidelity") + len("fidelity")
+    rows = [line for line in lines[1:] if line.split(" ")[0] in names]
+    assert len(rows) == 4 and all(line[end - 3 : end] == "77%" for line in rows), lines
