@@ -869,7 +869,7 @@ def probed(caches: Sequence[Any]) -> bool:
 def probe_caches(caches: Sequence[Any], model: Any, tokenizer: Any, prompt: Sequence[int],
                  spans: Spans = ALL_EVICTABLE, questions: Sequence[Sequence[int]] = ()) -> list:
     """Probe fresh ``caches`` for the token ids ``prompt`` before it is prefilled, when
-    a layer's rule needs it (``keep="question"``, the default): the model reads the
+    a layer's rule needs it (the question rules, the default among them): the model reads the
     prompt's text after the document ``spans`` (all of it evictable: the last paragraph
     of the prompt's last :data:`~knorm_gen.question.PROMPT_TAIL` tokens) and ``questions`` (token ids
     asked after it); returns the list. Any other layout is returned as it is, so a

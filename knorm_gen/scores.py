@@ -177,8 +177,8 @@ def score_question_per_query(keys: mx.array, positions: mx.array, anchor: Option
     :data:`~knorm_gen.question.PER_QUERY_LOCAL` positions taken out before the best query is
     taken (0.9.2; a reach of 128 since 0.9.3): a query that scores whole regions high no
     longer decides the selection alone.
-    On Gemma 3 it kept more keys than ``question``, on SmolLM2 fewer (docs/results.md), so
-    it is a ``knorm-tune`` candidate (``--arms question_per_query_rec25``), not the default."""
+    On Gemma 3 it kept more keys than ``question``, on SmolLM2 fewer (docs/results.md); the
+    default since 0.11 is it carrying (:func:`score_question_per_query_carry`)."""
     return score_question(keys, positions, anchor, per_query=True, local=PER_QUERY_LOCAL)
 
 
@@ -191,7 +191,8 @@ def score_question_carry(keys: mx.array, positions: mx.array, anchor: Optional[t
 
 
 def score_question_per_query_carry(keys: mx.array, positions: mx.array, anchor: Optional[tuple] = None) -> mx.array:
-    """:func:`score_question_per_query`, its layers carrying like ``question_carry``'s (0.10)."""
+    """:func:`score_question_per_query`, its layers carrying like ``question_carry``'s (0.10;
+    the default since 0.11)."""
     return score_question_per_query(keys, positions, anchor)
 
 
