@@ -41,10 +41,11 @@ def main(argv=None) -> dict:
                 r, = answer_questions(model, tok, text, ask, max_tokens=1, eviction=EvictionConfig(budget=512, keep=rule))
                 seconds[rule].append(r.prefill_s)
         median = {rule: statistics.median(seconds[rule]) for rule in rules}
-        out[spec] = dict(median, ratios={rule: median[rule] / median[rules[0]] for rule in rules[1:]})
+        ratios = {rule: median[rule] / median[rules[0]] for rule in rules[1:]}
+        out[spec] = dict(median, ratios=ratios)
         print(f"{spec}: prefill median of {args.rounds} (probe included), 2,048 tokens, budget 512: "
               + ", ".join(f"{rule} {median[rule]:.2f} s" for rule in rules) + "; ratios to " + rules[0] + ": "
-              + ", ".join(f"{rule} {median[rule] / median[rules[0]]:.3f}" for rule in rules[1:]), flush=True)
+              + ", ".join(f"{rule} {r:.3f}" for rule, r in ratios.items()), flush=True)
     return out
 
 

@@ -354,18 +354,21 @@ ALL_EVICTABLE: tuple = ((0, NO_END),)
 STEP = 256  # buffers grow in steps of this many slots (as mlx_lm's KVCache does)
 
 
+def _flip_negatives(bits: mx.array) -> mx.array:
+    """Reverse the order of the negative int64 ``bits`` (a float32's sign-magnitude bits);
+    its own inverse, so it both packs and unpacks."""
+    return mx.where(bits < 0, -bits - (1 << 31) - 1, bits)
+
+
 def _ordered_bits(score: mx.array) -> mx.array:
     """float32 -> int64 in [-2**31, 2**31) with the same order (IEEE-754 sign-magnitude)."""
-    bits = mx.view(score.astype(mx.float32), mx.int32).astype(mx.int64)
-    return mx.where(bits < 0, -bits - (1 << 31) - 1, bits)
+    return _flip_negatives(mx.view(score.astype(mx.float32), mx.int32).astype(mx.int64))
 
 
 def unpack_scores(rank: mx.array) -> mx.array:
     """The float32 scores packed in ranks (:func:`pack_ranks`); meaningless where
     :func:`scored` is False (pinned, protected, covered, carried or PAD)."""
-    bits = mx.right_shift(rank, 32)
-    bits = mx.where(bits < 0, -bits - (1 << 31) - 1, bits).astype(mx.int32)
-    return mx.view(bits, mx.float32)
+    return mx.view(_flip_negatives(mx.right_shift(rank, 32)).astype(mx.int32), mx.float32)
 
 
 def scored(rank: mx.array) -> mx.array:
