@@ -568,6 +568,7 @@ def stats_line(result: Any) -> str:
                           "lev30_blend_cov25_rec50", "blend_cov25_rec50", "keydiff_cov25_rec50", "low_cov25_rec50",
                           "leverage_cov25_rec50", "retrieval", "retrieval_cov25", "paper", "question", "question_rec25",
                           "question_per_query_rec25", "question_carry_rec25", "question_per_query_carry_rec25",
+                          "question_both_carry_rec25",
                           "question_rec50", "lev30_question", "mix", "random")))
 @click.option("--mix", "with_mix", is_flag=True, help="Also measure a per-layer mix: each layer takes the rule "
               "(blend, keydiff, low or leverage, with --preset intrinsic's coverage and recent half) with the least "

@@ -30,7 +30,8 @@ keys the job's instructions would attend to (:mod:`knorm_gen.question`; 0.7-0.9'
 ``question_carry`` the same with a share of each later layer's slots kept for what the
 earlier layers scored best (0.10's default), ``question_per_query`` the question
 rule with each probe query's own local mean taken out first, ``question_per_query_carry``
-that, carrying (the default since 0.11); ``random`` and ``recent``
+that, carrying (the default since 0.11), ``question_both_carry`` the mean of the two scores,
+carrying; ``random`` and ``recent``
 (StreamingLLM: sinks + most recent) are baselines."""
 
 EARLY_FRACTION = 0.3

@@ -67,9 +67,9 @@ PER_QUERY_LOCAL = 128
 READMEs recovered 83.6% (64: 78.4%)."""
 
 CARRY_SHARE = 0.25
-"""The share of a ``keep="question_carry"`` or ``"question_per_query_carry"`` layer's rule slots (the budget less its sinks,
-recent window and coverage) kept for the positions the earlier such layers of the prompt
-scored best (:func:`knorm_gen.scores.carry_tier`; 0.10). On Gemma 3 the first bounded
+"""The share of a carrying layer's rule slots (``keep="question_carry"``, ``"question_per_query_carry"``,
+``"question_both_carry"``; the budget less its sinks, recent window and coverage) kept for
+the positions the earlier such layers of the prompt scored best (:func:`knorm_gen.scores.carry_tier`; 0.10). On Gemma 3 the first bounded
 layer ranked a lost key's sentence near its top and a later layer dropped it
 (docs/results.md, 0.9.3); carried, every later layer keeps what an earlier one found."""
 

@@ -196,6 +196,15 @@ def score_question_per_query_carry(keys: mx.array, positions: mx.array, anchor: 
     return score_question_per_query(keys, positions, anchor)
 
 
+def score_question_both_carry(keys: mx.array, positions: mx.array, anchor: Optional[tuple] = None) -> mx.array:
+    """The mean of :func:`score_question`'s and :func:`score_question_per_query`'s scores (each
+    with its sentence pieces and repeats), its layers carrying like ``question_carry``'s
+    (after 0.11; a ``knorm-tune`` candidate). On SmolLM2 the per-query scores alone dropped a
+    key sentence from most heads of the later layers where ``question``'s kept it
+    (docs/results.md); the mean keeps a piece that either ranks high."""
+    return 0.5 * (score_question(keys, positions, anchor) + score_question_per_query(keys, positions, anchor))
+
+
 SCORES: dict[str, ScoreFn] = {
     "low": score_low,
     "high": score_high,
@@ -208,17 +217,19 @@ SCORES: dict[str, ScoreFn] = {
     "question_per_query": score_question_per_query,
     "question_carry": score_question_carry,
     "question_per_query_carry": score_question_per_query_carry,
+    "question_both_carry": score_question_both_carry,
 }
 
 ANCHORED = frozenset({"keydiff", "blend"})
 """The rules that score against the running anchor (block-size dependent, see above)."""
 
-PROBED = frozenset({"question", "question_per_query", "question_carry", "question_per_query_carry"})
+PROBED = frozenset({"question", "question_per_query", "question_carry", "question_per_query_carry",
+                    "question_both_carry"})
 """The rules that score against a probe of the job's instructions, set before the
 prefill (:func:`knorm_gen.cache.set_probe`) and fixed; the caches hand it over as
 the anchor and never re-score held keys."""
 
-CARRIED = frozenset({"question_carry", "question_per_query_carry"})
+CARRIED = frozenset({"question_carry", "question_per_query_carry", "question_both_carry"})
 """The probed rules whose layers share a board in one prompt's caches (:func:`knorm_gen.cache.set_probe`):
 each writes its best standardised score per position (:func:`carry_values`), and each after the first
 keeps a share of its slots for the best of the earlier ones' (:func:`carry_tier`)."""

@@ -80,6 +80,9 @@ CANDIDATES: dict[str, dict] = {
                                  recent_share=0.25),
     "question_per_query_carry_rec25": dict(keep="question_per_query_carry", early_keep="question_per_query_carry",
                                            skip_layers=(), coverage=0.0, recent_share=0.25),
+    # the mean of the two rules' scores, carrying (after 0.11; docs/results.md)
+    "question_both_carry_rec25": dict(keep="question_both_carry", early_keep="question_both_carry", skip_layers=(),
+                                      coverage=0.0, recent_share=0.25),
     "question_rec50": dict(keep="question", early_keep="question", skip_layers=(), coverage=0.0, recent_share=0.5),
     "lev30_question": dict(keep="question", early_keep="leverage", skip_layers=(), coverage=0.0, recent_share=_OLD),
     "random": dict(keep="random", skip_layers=(), coverage=0.0, recent_share=_OLD),  # the control at equal bytes

@@ -17,6 +17,8 @@ from .test_scores import per_query_reference
 REFERENCE = {  # each rule's float64 scores of one block (1, H, N), higher kept first
     "question_carry": lambda keys, q, pieces: reference_scores(keys, q, [list(pieces)], LOCAL),
     "question_per_query_carry": lambda keys, q, pieces: per_query_reference(keys, q, pieces, PER_QUERY_LOCAL),
+    "question_both_carry": lambda keys, q, pieces: 0.5 * (reference_scores(keys, q, [list(pieces)], LOCAL)
+                                                          + per_query_reference(keys, q, pieces, PER_QUERY_LOCAL)),
 }
 
 T, BUDGET, N_SINK, RECENT = 64, 24, 3, 4

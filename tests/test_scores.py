@@ -79,6 +79,10 @@ def numpy_block_scores(keep, keys, seed):
     if keep in ("question_per_query", "question_per_query_carry"):
         q, pieces = question_probe(keys.shape[1], keys.shape[3], keys.shape[2], seed)
         return -per_query_reference(keys, q, pieces, PER_QUERY_LOCAL)
+    if keep == "question_both_carry":  # alone, the mean of the two rules' scores
+        q, pieces = question_probe(keys.shape[1], keys.shape[3], keys.shape[2], seed)
+        return -0.5 * (reference_scores(keys, q, [list(pieces)], LOCAL)
+                       + per_query_reference(keys, q, pieces, PER_QUERY_LOCAL))
     raise AssertionError(f"no numpy reference for the rule {keep!r}: write one here")
 
 
