@@ -12,13 +12,12 @@ from knorm_gen.question import LOCAL, PER_QUERY_LOCAL
 
 from .conftest import random_tokens
 from .test_question import reference_scores
-from .test_scores import per_query_reference
+from .test_scores import both_reference, per_query_reference
 
 REFERENCE = {  # each rule's float64 scores of one block (1, H, N), higher kept first
     "question_carry": lambda keys, q, pieces: reference_scores(keys, q, [list(pieces)], LOCAL),
     "question_per_query_carry": lambda keys, q, pieces: per_query_reference(keys, q, pieces, PER_QUERY_LOCAL),
-    "question_both_carry": lambda keys, q, pieces: 0.5 * (reference_scores(keys, q, [list(pieces)], LOCAL)
-                                                          + per_query_reference(keys, q, pieces, PER_QUERY_LOCAL)),
+    "question_both_carry": both_reference,
 }
 
 T, BUDGET, N_SINK, RECENT = 64, 24, 3, 4

@@ -39,6 +39,13 @@ def per_query_reference(keys, q, pieces, reach):
     return s[None]
 
 
+def both_reference(keys, q, pieces):
+    """(1, H, N) float64 question_both_carry scores of one block alone: the mean of the
+    question rule's and the per-query rule's references."""
+    return 0.5 * (reference_scores(keys, q, [list(pieces)], LOCAL)
+                  + per_query_reference(keys, q, pieces, PER_QUERY_LOCAL))
+
+
 def rule_cache(keep, keys, seed, budget=BUDGET, n_sink=N_SINK, recent=RECENT):
     """A cache for ``keep``; a probed rule gets :func:`question_probe` for these keys."""
     cache = L2NormKVCache(budget, n_sink, recent, keep)
@@ -81,8 +88,7 @@ def numpy_block_scores(keep, keys, seed):
         return -per_query_reference(keys, q, pieces, PER_QUERY_LOCAL)
     if keep == "question_both_carry":  # alone, the mean of the two rules' scores
         q, pieces = question_probe(keys.shape[1], keys.shape[3], keys.shape[2], seed)
-        return -0.5 * (reference_scores(keys, q, [list(pieces)], LOCAL)
-                       + per_query_reference(keys, q, pieces, PER_QUERY_LOCAL))
+        return -both_reference(keys, q, pieces)
     raise AssertionError(f"no numpy reference for the rule {keep!r}: write one here")
 
 
