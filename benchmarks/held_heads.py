@@ -20,12 +20,9 @@ from pathlib import Path
 
 import knorm_gen  # noqa: F401  (BLAS preload first)
 import numpy as np
-from knorm_gen.engine import prefill
 from knorm_gen.models import load_model
-from knorm_gen.prompts import context_spans, split_question_prompts
 from knorm_gen.scores import rank_positions
-from knorm_gen.tune import (CANDIDATES, KEY_CUE, KEY_QUESTION, Tuner, _greedy, head_tokens, needle,
-                            with_needle)
+from knorm_gen.tune import CANDIDATES, Tuner, head_tokens, needle, with_needle
 
 from documents import installed_readmes
 
@@ -73,16 +70,10 @@ def main(argv=None) -> dict:
              for d in installed_readmes(sorted({c[0].split(":", 1)[1] for c in cases}))}
     out_rows = []
     for doc, depth, key in cases:
-        context = with_needle(texts[doc], depth, key)
-        prefix, (q_ids,) = split_question_prompts(tok, context, [KEY_QUESTION if tuner.chat else KEY_CUE],
-                                                  chat=tuner.chat)
-        spans = context_spans(tok, context, prefix, chat=tuner.chat)
-        budget = max(8, int(len(prefix) / args.ratio))
+        prefix, q_ids, spans, budget = tuner.ctq_case(with_needle(texts[doc], depth, key))
         where = needle_positions(tok, list(prefix), key)
         for arm in arms:
-            tuner._seed(doc + key)
-            caches = prefill(model, prefix, tuner.caches(arm, budget, spans, prefix, [q_ids]), tuner.step)
-            answer = tok.decode(_greedy(model, tok, q_ids, caches, 16))
+            answer, caches = tuner.ctq_answer(arm, doc + key, prefix, q_ids, spans, budget)
             layers = {}
             for i, c in enumerate(caches):
                 if getattr(c, "rank", None) is None:

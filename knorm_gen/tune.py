@@ -271,6 +271,23 @@ class Tuner:
         return rows
 
     # ---- pass keys ---------------------------------------------------------------
+    def ctq_case(self, context: str) -> tuple[list, list, Any, int]:
+        """The pass-key question asked after ``context`` (the chat template when the model
+        has one, else completion style): the prompt's ids up to the question, the
+        question's ids, the document's spans and the budget at the tuner's ratio."""
+        question = KEY_QUESTION if self.chat else KEY_CUE
+        prefix, (q_ids,) = split_question_prompts(self.tok, context, [question], chat=self.chat)
+        spans = context_spans(self.tok, context, prefix, chat=self.chat)
+        return prefix, q_ids, spans, max(8, int(len(prefix) / self.ratio))
+
+    def ctq_answer(self, arm: str, seed: str, prefix: list, q_ids: list, spans: Any,
+                   budget: int) -> tuple[str, list]:
+        """The greedy answer (16 tokens) to ``q_ids`` after ``prefix`` is prefilled under
+        ``arm`` (seeded by ``seed``), and the caches it was answered from."""
+        self._seed(seed)
+        caches = prefill(self.model, prefix, self.caches(arm, budget, spans, prefix, [q_ids]), self.step)
+        return self.tok.decode(_greedy(self.model, self.tok, q_ids, caches, 16)), caches
+
     def passkey(self, name: str, context: str, key: str, depth: float) -> list[dict]:
         """The key asked for after the context: through the chat template when the model
         has one (an instruct model answers a question), else completion style; in each of
@@ -278,10 +295,8 @@ class Tuner:
         tok, model = self.tok, self.model
         modes = self.modes
         question = KEY_QUESTION if self.chat else KEY_CUE
-        prefix, (q_ids,) = split_question_prompts(tok, context, [question], chat=self.chat)
-        spans = context_spans(tok, context, prefix, chat=self.chat)
+        prefix, q_ids, spans, budget = self.ctq_case(context)
         whole = prefix + q_ids
-        budget = max(8, int(len(prefix) / self.ratio))
         rows = []
         for arm in ["full", *self.arms]:
             if arm == "full" and ("passkey", name, key, depth, len(context), modes) in self.full_rows:
@@ -289,9 +304,7 @@ class Tuner:
                 continue
             answers = {}
             if "ctq" in modes:
-                self._seed(name + key)
-                caches = prefill(model, prefix, self.caches(arm, budget, spans, prefix, [q_ids]), self.step)
-                answers["ctq"] = tok.decode(_greedy(model, tok, q_ids, caches, 16))
+                answers["ctq"] = self.ctq_answer(arm, name + key, prefix, q_ids, spans, budget)[0]
             if "whole" in modes:  # the whole prompt evictable: a question-aware arm probes its end
                 self._seed(name + key)
                 caches = prefill(model, whole[:-1], self.caches(arm, budget, ids=whole), self.step)

@@ -479,3 +479,37 @@ def test_the_tune_table_keeps_its_columns_with_long_layout_names():
     end = lines[0].index("fidelity") + len("fidelity")
     rows = [line for line in lines[1:] if line.split(" ")[0] in names]
     assert len(rows) == 4 and all(line[end - 3 : end] == "77%" for line in rows), lines
+
+
+def test_a_ctq_pass_key_is_asked_after_the_context_as_mlx_lm_would_answer_it_with_the_full_cache(tiny_model_dir):
+    # The ctq case is the chat prompt (context, separator, question) split before the question; the
+    # full cache's answer is mlx_lm's own greedy answer from its plain cache fed the same two pieces.
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from knorm_gen.prompts import DEFAULT_QUESTION_SEPARATOR
+    from knorm_gen.tune import KEY_QUESTION, Tuner, with_needle
+
+    model, tok = load_model(str(tiny_model_dir))
+    text = with_needle("The harbor keeps a log of ships and storms. " * 30, 0.5, "12345")
+    tuner = Tuner(model, tok, {"random": CANDIDATES["random"]}, ratio=4.0, modes=("ctq",), log=lambda m: None)
+    prefix, q_ids, spans, budget = tuner.ctq_case(text)
+    whole = tok.apply_chat_template([{"role": "user", "content": text + DEFAULT_QUESTION_SEPARATOR + KEY_QUESTION}],
+                                    add_generation_prompt=True)
+    assert prefix + q_ids == list(whole) and budget == len(prefix) // 4
+    cache = make_prompt_cache(model)
+    model(mx.array(prefix)[None], cache=cache)
+    want = []
+    for r in stream_generate(model, tok, mx.array(q_ids), max_tokens=16, prompt_cache=cache):
+        if r.token in set(tok.eos_token_ids):
+            break
+        want.append(r.token)
+    rows = tuner.passkey("d", text, "12345", 0.5)
+    assert {(r["arm"], r["mode"]) for r in rows} == {("full", "ctq"), ("random", "ctq")}
+    assert [r["answer"] for r in rows if r["arm"] == "full"] == [tok.decode(want)]
+    assert all(r["budget"] == budget for r in rows if r["arm"] == "random")
+    # and the caches it answered from hold what mlx_lm's hold, position for position
+    _, caches = tuner.ctq_answer("full", "d12345", prefix, q_ids, spans, budget)
+    assert [c.offset for c in caches] == [c.offset for c in cache]
+    for ours, theirs in zip(caches, cache):
+        assert np.allclose(np.array(ours.state[0]), np.array(theirs.state[0]), atol=1e-4)
