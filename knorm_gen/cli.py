@@ -52,6 +52,7 @@ from .job import (
     prepare_tokenizer,
     run_batch,
 )
+from .layouts import CANDIDATES
 from .memory import kv_memory
 from .models import get_model
 from .sink import budget_warning, silence_stdout
@@ -563,13 +564,7 @@ def stats_line(result: Any) -> str:
               "rule per query, carrying the earlier layers' best, the recent quarter), 0.10's default (the question rule "
               "carrying so), --preset intrinsic, the blend in every layer, the other bounded rules with its coverage and recent half, keep-low "
               "alone and random eviction). All: "
-              + ",".join(("keydiff", "low", "blend", "low_cov25", "low_cov50", "keydiff_cov25", "keydiff_cov50",
-                          "blend_cov25", "blend_cov50", "blend_cov75", "leverage", "leverage_cov25",
-                          "lev30_blend_cov25_rec50", "blend_cov25_rec50", "keydiff_cov25_rec50", "low_cov25_rec50",
-                          "leverage_cov25_rec50", "retrieval", "retrieval_cov25", "paper", "question", "question_rec25",
-                          "question_per_query_rec25", "question_carry_rec25", "question_per_query_carry_rec25",
-                          "question_both_carry_rec25",
-                          "question_rec50", "lev30_question", "mix", "random")))
+              + ",".join((*CANDIDATES, "mix")))
 @click.option("--mix", "with_mix", is_flag=True, help="Also measure a per-layer mix: each layer takes the rule "
               "(blend, keydiff, low or leverage, with --preset intrinsic's coverage and recent half) with the least "
               "attention error on held queries "
@@ -616,7 +611,7 @@ def tune_command(docs: Optional[str], model: str, context_field: str, budget: Op
     import json
 
     from .models import get_model
-    from .tune import CANDIDATES, MIX, QUICK_ARMS, SWEEP_RATIOS, TUNE_ARMS, TUNE_FILLERS, Doc, save_tuning, tune
+    from .tune import MIX, QUICK_ARMS, SWEEP_RATIOS, TUNE_ARMS, TUNE_FILLERS, Doc, save_tuning, tune
 
     sweep = _sweep_ratios(sweep_ratios) if sweep_ratios else \
         SWEEP_RATIOS if target_fidelity is not None or target_keys is not None else ()
@@ -740,7 +735,7 @@ def _tune_documents(path: Optional[str], field: str, limit: int) -> list:
 
 def tune_table(record: dict) -> str:
     """The terminal table: the chosen layout first, then the others, then why."""
-    from .tune import CANDIDATES, bounded
+    from .tune import bounded
 
     table = record["table"]
     order = [record["chosen"]] + [a for a in table if a not in (record["chosen"], "full")] + ["full"]
