@@ -20,7 +20,7 @@ from .prompts import PromptTooLongError  # noqa: E402
 from .results import GenerationResult  # noqa: E402
 from .runtime import runtime_info  # noqa: E402
 
-__version__ = "0.11.0"
+__version__ = "0.12.0"
 
 __all__ = [
     "KEEP_MODES",

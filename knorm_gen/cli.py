@@ -560,9 +560,9 @@ def stats_line(result: Any) -> str:
               help="Compression: a document's tokens per kept token.")
 @click.option("--job", "job_kind", type=click.Choice(("summarize", "retrieve", "both")), default="both",
               show_default=True, help="What the layout is chosen for.")
-@click.option("--arms", default=None, help="Candidates, comma-separated (default: the default layout (the question "
-              "rule per query, carrying the earlier layers' best, the recent quarter), 0.10's default (the question rule "
-              "carrying so), --preset intrinsic, the blend in every layer, the other bounded rules with its coverage and recent half, keep-low "
+@click.option("--arms", default=None, help="Candidates, comma-separated (default: the default layout (the mean of the "
+              "question rule and its per-query form, carrying the earlier layers' best, the recent quarter), 0.11's "
+              "default (the per-query form alone, carrying), --preset intrinsic, the blend in every layer, the other bounded rules with its coverage and recent half, keep-low "
               "alone and random eviction). All: "
               + ",".join((*CANDIDATES, "mix")))
 @click.option("--mix", "with_mix", is_flag=True, help="Also measure a per-layer mix: each layer takes the rule "

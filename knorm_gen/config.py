@@ -30,8 +30,8 @@ keys the job's instructions would attend to (:mod:`knorm_gen.question`; 0.7-0.9'
 ``question_carry`` the same with a share of each later layer's slots kept for what the
 earlier layers scored best (0.10's default), ``question_per_query`` the question
 rule with each probe query's own local mean taken out first, ``question_per_query_carry``
-that, carrying (the default since 0.11), ``question_both_carry`` the mean of the two scores,
-carrying; ``random`` and ``recent``
+that, carrying (0.11's default), ``question_both_carry`` the mean of the two scores,
+carrying (the default since 0.12); ``random`` and ``recent``
 (StreamingLLM: sinks + most recent) are baselines."""
 
 EARLY_FRACTION = 0.3
@@ -293,11 +293,12 @@ def _setting(default: Any, help: str, *, parse=None, metavar: Optional[str] = No
 class EvictionConfig:
     """How every compressed layer evicts, as the user states it. ``budget=None``
     means no eviction; ``recent=None`` means :func:`auto_recent` (``recent_share`` of
-    each layer's budget). The default (0.11), ``keep="question_per_query_carry"`` in every
+    each layer's budget). The default (0.12), ``keep="question_both_carry"`` in every
     layer (the document keys the job's instructions would attend to, probed before the
-    document is read, each probe query's own local mean taken out first:
-    :mod:`knorm_gen.question`; each layer after the first keeping a quarter of its rule's
-    slots for what the layers before it scored best), a quarter of each budget as the most
+    document is read: the mean of the question rule's score and its per-query form's, where
+    each probe query's own local mean is taken out first, :mod:`knorm_gen.question`; each
+    layer after the first keeping a quarter of its rule's slots for what the layers before it
+    scored best), a quarter of each budget as the most
     recent tokens (``recent_share=0.25``), no coverage and ``skip_layers=()``, bounds every
     full-attention layer. ``knorm-tune`` chose it on the tuning split for both models
     measured, and it was checked on documents and fillers held out from it
@@ -324,11 +325,12 @@ class EvictionConfig:
     n_sink: int = _setting(4, "Leading tokens never evicted.")
     recent: Optional[int] = _setting(None, "Most recent tokens never evicted (overrides --recent-share).",
                                      default_text="--recent-share x budget")
-    keep: str = _setting("question_per_query_carry", "question_per_query_carry = keep the document keys the "
-                         "instructions after the document would attend to (probed first; each probe query's own local "
-                         "mean taken out first), each layer after the first keeping a quarter of its rule's slots for "
-                         "the positions the earlier layers scored best (the default); question_per_query = the same "
-                         "without carrying; question_carry = the question rule carrying (0.10's default); question = "
+    keep: str = _setting("question_both_carry", "question_both_carry = keep the document keys the "
+                         "instructions after the document would attend to (probed first; the mean of the question rule's "
+                         "score and its per-query form's), each layer after the first keeping a quarter of its rule's "
+                         "slots for the positions the earlier layers scored best (the default); question_per_query_carry "
+                         "= the per-query form alone, carrying (0.11's default); question_per_query = that without "
+                         "carrying; question_carry = the question rule carrying (0.10's default); question = "
                          "without either (0.7-0.9's default); low = keep low key norms (the paper's L2Norm rule); "
                          "keydiff = keep keys least like the head's mean; blend = both (--preset intrinsic, with "
                          "leverage in the early layers: --early-keep); leverage = keep keys unlike the rest by "
@@ -336,7 +338,7 @@ class EvictionConfig:
                          choices=KEEP_MODES)
     early_keep: str = _setting(
         "auto", "Rule of the first 30% of the full-attention layers (at least two): auto = leverage under "
-        "--keep blend (--preset intrinsic), else the --keep rule (the default: question_per_query_carry); or a rule name. --layer-keep overrides it per layer.",
+        "--keep blend (--preset intrinsic), else the --keep rule (the default: question_both_carry); or a rule name. --layer-keep overrides it per layer.",
         choices=("auto", *KEEP_MODES))
     skip_layers: Optional[tuple[int, ...]] = _setting(
         (), "Layers left uncompressed (their memory grows with the input), e.g. '0,1' or '0-8'; 'none' "

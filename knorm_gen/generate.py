@@ -116,7 +116,7 @@ def stream_request(model: Any, tokenizer: Any, request: Request) -> Iterator[Uni
     mx.reset_peak_memory()
     tic = time.perf_counter()
     tok = as_tokenizer(tokenizer)
-    # keep="question_per_query_carry" (the default) and the other probed rules: the instructions after the document are probed first
+    # keep="question_both_carry" (the default) and the other probed rules: the instructions after the document are probed first
     caches = probe_caches(make_eviction_cache(model, request.eviction, request.spans), model, tok, request.ids,
                           request.spans)
     yield from _stream_ids(model, tok, request.ids, caches, generation=generation,

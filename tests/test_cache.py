@@ -434,11 +434,11 @@ def test_the_default_bounds_every_layer_with_the_question_rule_and_the_blend_pai
     from knorm_gen.memory import kv_memory
 
     config = EvictionConfig(budget=8)
-    assert (config.keep, config.early_keep, config.coverage, config.skip_layers) == ("question_per_query_carry", "auto", 0.0, ())
+    assert (config.keep, config.early_keep, config.coverage, config.skip_layers) == ("question_both_carry", "auto", 0.0, ())
     model = tiny_llama(layers=10)
     caches = make_eviction_cache(model, config)
     # every layer the question rule, no coverage, a quarter of the budget recent: int(0.25 * 8)
-    assert all(isinstance(c, L2NormKVCache) and c.keep == "question_per_query_carry" and c.coverage == 0.0 and c.recent == 2
+    assert all(isinstance(c, L2NormKVCache) and c.keep == "question_both_carry" and c.coverage == 0.0 and c.recent == 2
                for c in caches)
     # --preset intrinsic (0.6's default): 30% of 10 layers, counted by hand, take leverage, the other seven the blend
     intrinsic = make_eviction_cache(model, EvictionConfig(budget=8, keep="blend", coverage=0.25))

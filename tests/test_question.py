@@ -455,11 +455,11 @@ def test_the_default_is_probed_on_every_product_path_and_by_probe_caches(tiny_lo
     from knorm_gen.cache import EvictionKVCache
 
     model, tok = tiny_loaded
-    assert EvictionConfig().keep == "question_per_query_carry"
+    assert EvictionConfig().keep == "question_both_carry"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         r = generate_with_eviction(model, tok, CONTEXT + "\n\n" + QUESTION, budget=16, max_tokens=3)
-        assert r.config["keep"] == "question_per_query_carry" and r.tokens_kept < r.tokens_seen
+        assert r.config["keep"] == "question_both_carry" and r.tokens_kept < r.tokens_seen
         (a,) = answer_questions(model, tok, CONTEXT, [QUESTION], budget=16, max_tokens=3)
         assert a.tokens_kept < a.tokens_seen
         rows = generate_batch_with_eviction(model, tok, [CONTEXT, CONTEXT + " " + QUESTION], budget=16,

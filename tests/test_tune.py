@@ -144,7 +144,7 @@ def test_a_quick_tuning_on_the_tiny_model_saves_its_choice(tiny_model_dir, tmp_p
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())
     assert record["chosen"] in CANDIDATES and "<- chosen" in result.output
-    assert set(record["table"]) == {"full", "question_per_query_carry_rec25", "lev30_blend_cov25_rec50", "low_cov25", "random"}
+    assert set(record["table"]) == {"full", "question_both_carry_rec25", "lev30_blend_cov25_rec50", "low_cov25", "random"}
     model, _ = load_model(str(tiny_model_dir))
     assert load_tuning(model)["chosen"] == record["chosen"]
 
