@@ -300,13 +300,14 @@ class EvictionConfig:
     layer after the first keeping a quarter of its rule's slots for what the layers before it
     scored best), a quarter of each budget as the most
     recent tokens (``recent_share=0.25``), no coverage and ``skip_layers=()``, bounds every
-    full-attention layer. ``knorm-tune`` chose it on the tuning split for both models
-    measured, and it was checked on documents and fillers held out from it
-    (benchmarks/choose_default.py; docs/results.md): every intrinsic layout (the key's norm,
-    KeyDiff, the blend, leverage, coverage) lost the pass keys planted inside real prose;
-    this one found 0.93x of the full cache's on SmolLM2's ten held-out documents and two
-    fillers and 1.00x on Gemma 3's (each key asked after the context and inside one prompt),
-    above random eviction's summary fidelity on every held-out set. A cache that is never probed (a plain mlx_lm loop without
+    full-attention layer. It was chosen on documents and fillers held out from tuning and
+    on fresh READMEs (benchmarks/choose_default.py; docs/results.md, 0.12): every intrinsic
+    layout (the key's norm, KeyDiff, the blend, leverage, coverage) lost the pass keys planted
+    inside real prose; this one found 0.93x of the full cache's on SmolLM2's ten held-out
+    documents and two fillers and 1.00x on Gemma 3's (each key asked after the context and
+    inside one prompt), at least 0.92x on every fresh set, above random eviction's summary
+    fidelity on every held-out set (``knorm-tune`` prefers 0.11's default on SmolLM2's tuning
+    documents). A cache that is never probed (a plain mlx_lm loop without
     :func:`~knorm_gen.cache.probe_caches`) ranks by the key norm and warns.
     ``skip_layers`` are left uncompressed (their
     memory grows with the input); ``None`` means :func:`early_layers`: the first 30%

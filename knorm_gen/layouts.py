@@ -40,12 +40,12 @@ CANDIDATES: dict[str, dict] = {
     "question_per_query_rec25": dict(keep="question_per_query", early_keep="question_per_query", skip_layers=(),
                                      coverage=0.0, recent_share=0.25),
     # the same with a quarter of each later layer's rule slots carried from the earlier layers' best (the default
-    # in 0.10; question_per_query_carry_rec25: the per-query rule so, the default since 0.11)
+    # in 0.10; question_per_query_carry_rec25: the per-query rule so, 0.11's default)
     "question_carry_rec25": dict(keep="question_carry", early_keep="question_carry", skip_layers=(), coverage=0.0,
                                  recent_share=0.25),
     "question_per_query_carry_rec25": dict(keep="question_per_query_carry", early_keep="question_per_query_carry",
                                            skip_layers=(), coverage=0.0, recent_share=0.25),
-    # the mean of the two rules' scores, carrying (after 0.11; docs/results.md)
+    # the mean of the two rules' scores, carrying (the default since 0.12; docs/results.md)
     "question_both_carry_rec25": dict(keep="question_both_carry", early_keep="question_both_carry", skip_layers=(),
                                       coverage=0.0, recent_share=0.25),
     "question_rec50": dict(keep="question", early_keep="question", skip_layers=(), coverage=0.0, recent_share=0.5),

@@ -178,7 +178,7 @@ def score_question_per_query(keys: mx.array, positions: mx.array, anchor: Option
     taken (0.9.2; a reach of 128 since 0.9.3): a query that scores whole regions high no
     longer decides the selection alone.
     On Gemma 3 it kept more keys than ``question``, on SmolLM2 fewer (docs/results.md); the
-    default since 0.11 is it carrying (:func:`score_question_per_query_carry`)."""
+    0.11's default was it carrying (:func:`score_question_per_query_carry`)."""
     return score_question(keys, positions, anchor, per_query=True, local=PER_QUERY_LOCAL)
 
 
@@ -192,14 +192,14 @@ def score_question_carry(keys: mx.array, positions: mx.array, anchor: Optional[t
 
 def score_question_per_query_carry(keys: mx.array, positions: mx.array, anchor: Optional[tuple] = None) -> mx.array:
     """:func:`score_question_per_query`, its layers carrying like ``question_carry``'s (0.10;
-    the default since 0.11)."""
+    0.11's default)."""
     return score_question_per_query(keys, positions, anchor)
 
 
 def score_question_both_carry(keys: mx.array, positions: mx.array, anchor: Optional[tuple] = None) -> mx.array:
     """The mean of :func:`score_question`'s and :func:`score_question_per_query`'s scores (each
     with its sentence pieces and repeats), its layers carrying like ``question_carry``'s
-    (after 0.11; a ``knorm-tune`` candidate). On SmolLM2 the per-query scores alone dropped a
+    (the default since 0.12). On SmolLM2 the per-query scores alone dropped a
     key sentence from most heads of the later layers where ``question``'s kept it
     (docs/results.md); the mean keeps a piece that either ranks high."""
     return 0.5 * (score_question(keys, positions, anchor) + score_question_per_query(keys, positions, anchor))
