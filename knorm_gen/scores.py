@@ -177,7 +177,7 @@ def score_question_per_query(keys: mx.array, positions: mx.array, anchor: Option
     :data:`~knorm_gen.question.PER_QUERY_LOCAL` positions taken out before the best query is
     taken (0.9.2; a reach of 128 since 0.9.3): a query that scores whole regions high no
     longer decides the selection alone.
-    On Gemma 3 it kept more keys than ``question``, on SmolLM2 fewer (docs/results.md); the
+    On Gemma 3 it kept more keys than ``question``, on SmolLM2 fewer (docs/results.md);
     0.11's default was it carrying (:func:`score_question_per_query_carry`)."""
     return score_question(keys, positions, anchor, per_query=True, local=PER_QUERY_LOCAL)
 
