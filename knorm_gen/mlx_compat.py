@@ -26,8 +26,8 @@ from __future__ import annotations
 import inspect
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence
 
 from mlx_lm.models import base as _base
 from mlx_lm.models import cache as _mlx_cache
@@ -130,7 +130,52 @@ def kv_head_dims(model: Any) -> list[int]:
     return sorted({d for c in caches if is_full_attention(c) for d in (c.keys.shape[-1], c.values.shape[-1])})
 
 
-# ---- the shared-mask trap ----------------------------------------------------
+# ---- the layers the model runs, and the shared-mask trap ----------------------
+
+
+class UnsupportedModelError(ValueError):
+    """A model whose mlx_lm code lacks a piece eviction relies on: the message names
+    its architecture, the missing piece and what still works."""
+
+
+def architecture(model: Any) -> str:
+    """The mlx_lm architecture (``model_type``) of ``model``, or its module's name."""
+    args = getattr(model, "args", None)
+    name = getattr(args, "model_type", None) or getattr(model, "model_type", None)
+    return str(name) if name else type(model).__module__.rsplit(".", 1)[-1]
+
+
+def _module_lists(module: Any, depth: int = 3) -> Iterator[list]:
+    """Every list held by ``module`` or its submodules (``depth`` levels down)."""
+    import mlx.nn as nn
+
+    for value in module.values() if isinstance(module, dict) else ():
+        if isinstance(value, list):
+            yield value
+        elif isinstance(value, nn.Module) and depth:
+            yield from _module_lists(value, depth - 1)
+
+
+def decoder_layers(model: Any) -> list:
+    """The list object the model's forward pass iterates over. Most mlx_lm models
+    expose it as ``model.layers``; pipeline-parallel ones (``qwen2``, ``qwen3_moe``,
+    ``deepseek_v3``, ... through ``PipelineMixin``) return a new slice of
+    ``model.model.layers`` at every access, so replacing an item of ``model.layers``
+    would change nothing the model runs: there the list is found under the model, as
+    the one that holds the very blocks ``model.layers`` shows.
+    :class:`UnsupportedModelError` when there is none."""
+    shown = getattr(model, "layers", None)
+    if not isinstance(shown, (list, tuple)) or not shown:
+        raise UnsupportedModelError(f"{architecture(model)}: the model has no list of layers (model.layers), so "
+                                    f"there is no attention cache to evict from")
+    if isinstance(shown, list) and model.layers is shown:
+        return shown
+    wanted = {id(b) for b in shown if b is not None}
+    for candidate in _module_lists(model):
+        if wanted <= {id(b) for b in candidate if b is not None} and candidate is not shown:
+            return candidate
+    raise UnsupportedModelError(f"{architecture(model)}: model.layers is a new list at every access and no list "
+                                f"under the model holds its blocks, so each layer cannot be given its own mask")
 
 
 class _OwnMaskLayer:
@@ -153,20 +198,21 @@ class _OwnMaskLayer:
 def own_layer_masks(model: Any) -> Iterator[None]:
     """While the block runs, every layer of ``model`` whose cache is a full-attention
     batch cache (mlx_lm's ``BatchKVCache``, or a cache class with ``per_row_mask``
-    set, as ours) attends with a mask built from its own cache. The model's layer list is restored on exit,
-    so outside our calls the model behaves exactly as before; nothing in mlx_lm is
-    patched. Re-entrant."""
-    layers = model.layers
+    set, as ours) attends with a mask built from its own cache. The list the model
+    iterates (:func:`decoder_layers`) is restored on exit, so outside our calls the
+    model behaves exactly as before; nothing in mlx_lm is patched. Re-entrant."""
+    layers = decoder_layers(model)
     if any(isinstance(block, _OwnMaskLayer) for block in layers):
         yield  # already inside our call
         return
     originals = list(layers)
     try:
         for i, block in enumerate(originals):
-            layers[i] = _OwnMaskLayer(block)
-        if not isinstance(model.layers[0], _OwnMaskLayer):
-            raise TypeError(f"{type(model).__name__}.layers is not the list the model runs, so each layer cannot "
-                            "build its own mask; batched eviction does not support this model")
+            if block is not None:
+                layers[i] = _OwnMaskLayer(block)
+        if not any(isinstance(block, _OwnMaskLayer) for block in model.layers):
+            raise UnsupportedModelError(f"{architecture(model)}: model.layers is not the list the model runs, so "
+                                        f"each layer cannot build its own mask")
         yield
     finally:
         layers[:] = originals
@@ -215,18 +261,176 @@ def generator_step(gen: Any) -> tuple[list[Prefilled], list[Decoded], StepTiming
 # ---- the probe's view into attention -------------------------------------------
 
 
+class ProbeCache:
+    """One layer's cache for a probe pass: a plain growing cache whose ``offset`` (the
+    RoPE position) may jump over the document. It tells :func:`record_queries` which
+    layer an attention call belongs to, and whether that call attends with the keys
+    this cache stores (so its queries can score them)."""
+
+    def __init__(self, layer: int):
+        self.layer = layer
+        self.keys = self.values = None
+        self.offset = 0
+        self.recording: Optional[QueryRecording] = None
+        self._returned = None  # the keys the last update returned: what attention should use
+        self._queries = None  # this pass's queries, once an attention call or a RoPE output shows them
+
+    def update_and_fetch(self, keys, values):
+        import mlx.core as mx
+
+        if self.recording is not None:
+            self.recording.update(self, keys)
+        self.keys = keys if self.keys is None else mx.concatenate([self.keys, keys], axis=2)
+        self.values = values if self.values is None else mx.concatenate([self.values, values], axis=2)
+        self.offset += keys.shape[2]
+        self._returned = self.keys
+        return self.keys, self.values
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        held = 0 if self.keys is None else self.keys.shape[2]
+        return create_attention_mask(N, offset=held, return_array=return_array, window_size=window_size)
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def size(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+
+@dataclass
+class QueryRecording:
+    """What :func:`record_queries` saw: per layer, the query blocks of each pass that
+    attended with the keys the layer's cache stores (``(B, query heads, L, D)``), and
+    the layers whose attention used other keys in some pass (multi-head latent
+    attention's prefill form, whose cache stores a latent the block's keys are made from)."""
+
+    queries: dict = field(default_factory=dict)
+    other: set = field(default_factory=set)
+    rope_outputs: list = field(default_factory=list)
+
+    def update(self, cache: ProbeCache, keys) -> None:
+        self.close(cache)
+        # A RoPE output of this layer's pass that is not the keys and has their shape: the queries.
+        found = [x for x in self.rope_outputs if x is not keys and x.ndim == 4 and x.shape[0] == keys.shape[0]
+                 and x.shape[2] == keys.shape[2] and x.shape[3] == keys.shape[3]]
+        cache._queries = found[-1] if found else None
+        self.rope_outputs.clear()
+
+    def attended(self, cache: ProbeCache, queries, keys) -> None:
+        if keys is cache._returned and queries.shape[-1] == keys.shape[-1]:
+            cache._queries = queries
+        else:
+            cache._queries = None
+            self.other.add(cache.layer)
+
+    def close(self, cache: ProbeCache) -> None:
+        """File the pass that ``cache`` has just served."""
+        if cache._returned is not None and cache._queries is not None:
+            self.queries.setdefault(cache.layer, []).append(cache._queries)
+        cache._queries = None
+
+    def clear(self) -> None:
+        self.queries.clear()
+        self.other.clear()
+
+
+def _model_modules() -> list:
+    return [m for name, m in list(sys.modules.items()) if name.startswith("mlx_lm.models.") and m is not None
+            and callable(getattr(m, "scaled_dot_product_attention", None))]
+
+
+def _rope_owners(model: Any) -> list:
+    """The submodules of each layer with a ``rope`` module (the attention blocks)."""
+    import mlx.nn as nn
+
+    owners = []
+    for block in decoder_layers(model):
+        todo = [block] if isinstance(block, nn.Module) else []
+        for depth in range(3):
+            nxt = []
+            for m in todo:
+                if isinstance(m.get("rope", None), nn.Module) or callable(getattr(m, "rope", None)):
+                    owners.append(m)
+                    continue
+                nxt += [v for v in m.values() if isinstance(v, nn.Module)]
+            todo = nxt
+    return owners
+
+
+@contextmanager
+def record_queries(model: Any, caches: Sequence[Any]) -> Iterator[QueryRecording]:
+    """While the block runs, record the queries of every attention call that goes
+    through one of ``caches``' :class:`ProbeCache` layers. Two ways in, both undone on
+    exit: the ``scaled_dot_product_attention`` that mlx_lm's model modules call by name
+    (rebound in each module that has it; the call names its cache), and, for a model
+    that computes attention itself (``gemma2``), each attention block's ``rope``
+    module, whose output that is not the keys a cache stores is the queries."""
+    import mlx.nn as nn
+
+    recording = QueryRecording()
+    probe = [c for c in caches if isinstance(c, ProbeCache)]
+    for c in probe:
+        c.recording = recording
+
+    def wrap_sdpa(original):
+        def recording_sdpa(queries, keys, values, *args, **kwargs):
+            cache = kwargs.get("cache", args[0] if args else None)
+            if isinstance(cache, ProbeCache) and cache.recording is recording:
+                recording.attended(cache, queries, keys)
+            return original(queries, keys, values, *args, **kwargs)
+        return recording_sdpa
+
+    class RecordingRope(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def __call__(self, x, *args, **kwargs):
+            out = self.inner(x, *args, **kwargs)
+            recording.rope_outputs.append(out)
+            return out
+
+    modules = _model_modules()
+    originals = [(m, m.scaled_dot_product_attention) for m in modules]
+    owners = _rope_owners(model)
+    ropes = [(m, m.rope) for m in owners]
+    try:
+        for m, fn in originals:
+            m.scaled_dot_product_attention = wrap_sdpa(fn)
+        for m, rope in ropes:
+            m.rope = RecordingRope(rope)
+        yield recording
+        for c in probe:
+            recording.close(c)
+    finally:
+        for m, fn in originals:
+            m.scaled_dot_product_attention = fn
+        for m, rope in ropes:
+            m.rope = rope
+        for c in probe:
+            c.recording = None
+
+
 @contextmanager
 def record_attention(model: Any, calls: list) -> Iterator[None]:
-    """Record ``(queries, keys, scale)`` at every attention call of the model's module."""
-    module = sys.modules[type(model.layers[0].self_attn).__module__]
-    original = module.scaled_dot_product_attention
+    """Record ``(queries, keys, scale)`` at every call of mlx_lm's
+    ``scaled_dot_product_attention`` the model's modules make (the tuner's attention
+    criterion, ``knorm-probe``). A model that computes attention itself records nothing."""
+    def wrap(original):
+        def recording(queries, keys, values, *args, **kwargs):
+            calls.append((queries, keys, kwargs.get("scale", args[1] if len(args) > 1 else None)))
+            return original(queries, keys, values, *args, **kwargs)
+        return recording
 
-    def recording(queries, keys, values, cache, scale, mask, **kwargs):
-        calls.append((queries, keys, scale))
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
-
-    module.scaled_dot_product_attention = recording
+    originals = [(m, m.scaled_dot_product_attention) for m in _model_modules()]
     try:
+        for m, fn in originals:
+            m.scaled_dot_product_attention = wrap(fn)
         yield
     finally:
-        module.scaled_dot_product_attention = original
+        for m, fn in originals:
+            m.scaled_dot_product_attention = fn

@@ -34,7 +34,8 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .mlx_compat import record_attention
+from .mlx_compat import (KVCache, ProbeCache, RotatingKVCache, UnsupportedModelError, architecture,
+                          make_prompt_cache, record_queries)
 
 PROBE_DRAFT = 8
 """Tokens the model answers with no document during the probe (their queries join the question's)."""
@@ -91,56 +92,72 @@ PROMPT_TAIL = 64
 question sits there (in a chat prompt the user's whole text is the document)."""
 
 
-class _ProbeCache:
-    """A plain growing cache whose offset (the RoPE position) may jump over the document."""
+def _probe_caches(model: Any) -> list:
+    """The model's own caches with every attention layer (plain or sliding-window) a
+    :class:`~knorm_gen.mlx_compat.ProbeCache`; state-space layers keep their own."""
+    return [ProbeCache(i) if isinstance(c, (KVCache, RotatingKVCache)) else c
+            for i, c in enumerate(make_prompt_cache(model))]
 
-    def __init__(self):
-        self.keys = self.values = None
-        self.offset = 0
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.keys = keys if self.keys is None else mx.concatenate([self.keys, keys], axis=2)
-        self.values = values if self.values is None else mx.concatenate([self.values, values], axis=2)
-        self.offset += keys.shape[2]
-        return self.keys, self.values
+def _run_probe(model: Any, ids: list, start: int, end: int, after: list, draft: int,
+               one_by_one: bool) -> tuple[dict, set, list]:
+    caches = _probe_caches(model)
 
-    @property
-    def state(self):
-        return self.keys, self.values
+    def feed(tokens):
+        out = None
+        for block in ([[t] for t in tokens] if one_by_one else [tokens]):
+            out = model(mx.array(block)[None], cache=caches)
+        return out
+
+    with record_queries(model, caches) as seen:
+        if start:
+            feed(ids[:start])
+        for c in caches:
+            if isinstance(c, ProbeCache):
+                seen.close(c)
+                c.offset = end
+        seen.clear()
+        logits = feed(after)
+        for _ in range(draft):
+            logits = model(mx.array([[int(mx.argmax(logits[0, -1]).item())]]), cache=caches)
+    return seen.queries, seen.other, caches
 
 
 def probe_queries(model: Any, ids: Sequence[int], start: int, end: int, question_ids: Sequence[int] = (),
-                  draft: int = PROBE_DRAFT) -> list[mx.array]:
+                  draft: int = PROBE_DRAFT) -> list[Optional[mx.array]]:
     """Per layer, ``(1, KV heads, group x probe tokens, head dim)`` unit-length float32
     queries of the prompt's tokens after the document (``ids[end:]``) and
     ``question_ids``, at their true positions, then of ``draft`` greedy tokens;
     ``ids[:start]`` (before the document) is attended but not recorded, and the
-    document ``ids[start:end]`` is not run at all."""
+    document ``ids[start:end]`` is not run at all. None for a layer without attention.
+    A model whose prefill attends with keys other than those its cache stores
+    (multi-head latent attention) is probed one token at a time, the form in which it
+    attends with them; :class:`~knorm_gen.mlx_compat.UnsupportedModelError` when no
+    layer's queries can be read."""
     ids = [int(t) for t in ids]
     if not 0 <= start <= end <= len(ids):
         raise ValueError(f"the document's span [{start}, {end}) does not lie in a prompt of {len(ids)} tokens")
     after = ids[end:] + [int(t) for t in question_ids]
     if not after:
         raise ValueError("nothing after the document to probe: the instructions or a question must follow it")
-    caches = [_ProbeCache() for _ in model.layers]
-    calls: list = []
-    with record_attention(model, calls):
-        if start:
-            model(mx.array(ids[:start])[None], cache=caches)
-        calls.clear()
-        for c in caches:
-            c.offset = end
-        logits = model(mx.array(after)[None], cache=caches)
-        for _ in range(draft):
-            logits = model(mx.array([[int(mx.argmax(logits[0, -1]).item())]]), cache=caches)
-    n = len(model.layers)
-    if len(calls) != n * (1 + draft):
-        raise RuntimeError(f"expected one attention call per layer per pass ({n * (1 + draft)}), recorded {len(calls)}")
-    out = []
-    for i in range(n):
-        q = mx.concatenate([calls[j][0] for j in range(i, len(calls), n)], axis=2).astype(mx.float32)
+    queries, other, caches = _run_probe(model, ids, start, end, after, draft, one_by_one=False)
+    attention = [c.layer for c in caches if isinstance(c, ProbeCache)]
+    if other or any(len(queries.get(i, ())) != 1 + draft for i in attention):
+        queries, other, caches = _run_probe(model, ids, start, end, after, draft, one_by_one=True)
+    missing = [i for i in attention if not queries.get(i)]
+    if missing:
+        raise UnsupportedModelError(
+            f"{architecture(model)}: the question probe cannot read the queries of layers {missing} (its attention "
+            f"goes neither through mlx_lm's scaled_dot_product_attention nor through a rope module with the keys "
+            f"its cache stores); choose a layout that needs no probe, e.g. --preset intrinsic")
+    out: list[Optional[mx.array]] = []
+    for c in caches:
+        if not isinstance(c, ProbeCache):
+            out.append(None)
+            continue
+        q = mx.concatenate(queries[c.layer], axis=2).astype(mx.float32)
         b, hq, m, d = q.shape
-        hk = calls[i][1].shape[1]
+        hk = c.keys.shape[1]
         q = q.reshape(b, hk, (hq // hk) * m, d)  # a KV head's group, every probe token
         out.append(q * mx.rsqrt(mx.maximum(mx.sum(q * q, axis=-1, keepdims=True), 1e-30)))
     return out
@@ -275,5 +292,6 @@ def make_probe(model: Any, tokenizer: Any, ids: Sequence[int], spans: Sequence[t
     seg = segment_ids(tokenizer, ids, longest)
     pieces = mx.array(seg)[None]
     repeated = mx.array(repeated_pieces(ids, seg) if repeats else np.zeros(len(ids), dtype=bool))[None]
-    return [(mx.concatenate([p[i] for p in per_ask], axis=2) if len(per_ask) > 1 else per_ask[0][i], pieces, repeated)
+    return [None if per_ask[0][i] is None else
+            (mx.concatenate([p[i] for p in per_ask], axis=2) if len(per_ask) > 1 else per_ask[0][i], pieces, repeated)
             for i in range(len(per_ask[0]))]
