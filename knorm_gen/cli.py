@@ -56,9 +56,10 @@ from .layouts import CANDIDATES
 from .memory import kv_memory
 from .models import get_model
 from .sink import budget_warning, silence_stdout
+from .sources import DEFAULT_GLOBS, PDF_EXTRA
 
 RUN_KEYS = ("input", "output", "model", "batch_size", "stats_log", "summary_json", "limit", "max_kv_memory",
-            "extra_eos_tokens", "chat_template_config", "adapter_path", "trust_remote_code")
+            "extra_eos_tokens", "chat_template_config", "adapter_path", "trust_remote_code", "glob")
 JOB_KEYS = {None: RUN_KEYS, "eviction": EVICTION_FIELDS + ("preset",), "generation": GENERATION_FIELDS,
             "rows": ROWS_FIELDS}
 JOB_PATHS = ("input", "output", "stats_log", "summary_json", "adapter_path")
@@ -259,6 +260,12 @@ def _check_run_keys(path: str, flat: dict) -> None:
             flat["chat_template_config"] = parse_template_config(flat["chat_template_config"])
         except ValueError as e:
             raise UsageFailure(f"job file {path}: {e}") from None
+    if "glob" in flat:
+        globs = [flat["glob"]] if isinstance(flat["glob"], str) else flat["glob"]
+        if not isinstance(globs, list) or not globs or not all(isinstance(g, str) and g.strip() for g in globs):
+            raise UsageFailure(f"job file {path}: 'glob' must be a file name pattern or a list of them, such as "
+                               f"[\"*.md\", \"*.txt\"], got {flat['glob']!r}")
+        flat["glob"] = tuple(globs)
     if "trust_remote_code" in flat and not isinstance(flat["trust_remote_code"], bool):
         raise UsageFailure(f"job file {path}: 'trust_remote_code' must be true or false, "
                            f"got {flat['trust_remote_code']!r}")
@@ -327,7 +334,7 @@ def _settings(ctx: click.Context, input_path: Optional[str], job_file: Optional[
     if input_path is not None:
         settings["input"] = input_path
     if not settings.get("input"):
-        raise click.UsageError("missing INPUT (a JSONL file or '-'), or a --job file that names one")
+        raise click.UsageError("missing INPUT (a JSONL file, a folder or '-'), or a --job file that names one")
     return settings
 
 
@@ -346,7 +353,11 @@ preset_option = click.option(
 @click.command(cls=_BatchCommand, context_settings=HELP)
 @click.argument("input_path", metavar="INPUT", required=False)
 @click.option("-o", "--output", help="Output JSONL. Default: <input stem>.completions.jsonl beside a regular "
-              "INPUT file, stdout for stdin or a pipe; '-' = stdout.")
+              "INPUT file, <folder name>.completions.jsonl beside a folder, stdout for stdin or a pipe; '-' = stdout.")
+@click.option("--glob", "glob", multiple=True, metavar="PATTERN",
+              help="A folder INPUT: read the files whose name matches PATTERN, at any depth; repeat for several. "
+                   f"Given, it replaces the default: {', '.join(DEFAULT_GLOBS)}. '*.pdf' reads PDFs "
+                   f"({PDF_EXTRA}).")
 @model_option
 @config_options
 @preset_option
@@ -375,7 +386,8 @@ def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optio
     """Run every row of the JSONL file INPUT ('-' = stdin) through the model with
     KV-cache eviction (the default rule, or the one --keep or --preset names; the
     instructions, questions and answers are never evicted) and write one JSONL
-    record per row.
+    record per row. A folder INPUT gives one row per file that --glob matches (its
+    id: the file's path under the folder; its text: the document, asked --question).
 
     Rerunning the same command resumes where it stopped. Exit status: 0 all rows
     ok (an input with no rows too, with a warning), 1 some rows failed (the
@@ -396,7 +408,7 @@ def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optio
                            auto_layout=auto_layout(settings), batch_size=settings["batch_size"], overwrite=overwrite,
                            accept_old_records=accept_old_records, limit=settings.get("limit"),
                            stats_log=settings.get("stats_log"), summary_json=settings.get("summary_json"),
-                           rows=rows, max_kv_memory=max_kv,
+                           rows=rows, globs=tuple(settings.get("glob") or ()), max_kv_memory=max_kv,
                            extra_eos_tokens=tuple(settings.get("extra_eos_tokens") or ()),
                            chat_template_config=settings.get("chat_template_config"),
                            adapter_path=settings.get("adapter_path"),

@@ -18,16 +18,21 @@ class FileUsageError(ValueError):
 
 
 def default_output(input_path: str) -> str:
-    """``<input stem>.completions.jsonl`` beside a regular input file; stdout otherwise
-    (stdin, a pipe such as ``<(cat a.jsonl)``, a device)."""
+    """``<input stem>.completions.jsonl`` beside a regular input file, ``<folder
+    name>.completions.jsonl`` beside a folder; stdout otherwise (stdin, a pipe such as
+    ``<(cat a.jsonl)``, a device, the root folder)."""
     if input_path == "-" or _special_path(input_path):
         return "-"
     p = Path(input_path)
     try:
-        if not stat.S_ISREG(p.stat().st_mode):
-            return "-"
+        mode = p.stat().st_mode
     except OSError:
-        pass
+        mode = stat.S_IFREG
+    if stat.S_ISDIR(mode):
+        p = Path(os.path.abspath(input_path)) if p.name in ("", ".", "..") else p
+        return str(p.with_name(p.name + ".completions.jsonl")) if p.name else "-"
+    if not stat.S_ISREG(mode):
+        return "-"
     return str(p.with_name(p.stem + ".completions.jsonl"))
 
 

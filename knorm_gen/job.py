@@ -1,4 +1,4 @@
-"""The ``knorm-batch`` job: JSONL rows in, one durable JSONL record per row out.
+"""The ``knorm-batch`` job: JSONL rows (or a folder's files) in, one durable JSONL record per row out.
 
 Each record is written whole and fsynced as its row finishes. Rerunning over
 the same output resumes: a row counts as done when the output holds a
@@ -9,7 +9,8 @@ work: side files that are the input, a second run on a locked output, an
 output whose records no longer match the input.
 This module owns the options, the summary and exit codes, the files and locks,
 and the run loop (one process, or one rank of a process group); the resume plan
-and the merge of a group's parts are :mod:`knorm_gen.resume`, the rows run in
+and the merge of a group's parts are :mod:`knorm_gen.resume`, the input's rows
+come from :mod:`knorm_gen.sources` (a JSONL file or a folder), the rows run in
 :mod:`knorm_gen.runner`, and :mod:`knorm_gen.sink` writes their records.
 
 Exit statuses (:attr:`BatchSummary.exit_code`, and ``knorm-batch``'s):
@@ -53,16 +54,16 @@ from .files import (
     check_writable,
     default_output,
     is_stream,
-    open_input,
     remove_stale_temps,
     rewrite_atomically,
 )
 from .memory import kv_memory, mib
 from .models import ModelUsageError, get_model, with_run_options
 from .resume import Outputs, ResumePlan, Wanted, merge_group, plan_run
-from .rows import Row, read_rows
+from .rows import Row
 from .runner import RowRunner, RowSettings
 from .tune import auto_config, run_ratio
+from .sources import InputSource, open_source
 from .sink import FIRST_ERRORS, Interrupted, Signals, Sink, row_name, stderr_log
 
 __all__ = [
@@ -97,6 +98,9 @@ class BatchOptions:
     stats_log: Optional[str] = None
     summary_json: Optional[str] = None
     rows: RowsConfig = field(default_factory=RowsConfig)
+    # A folder INPUT: the file name patterns to read (``--glob``); () = sources.DEFAULT_GLOBS. Not in a
+    # record's config: its id (the file's path) and content are, and resume compares those
+    globs: tuple = ()
     max_kv_memory: Optional[int] = None  # bytes of KV memory in flight; None: admission.default_kv_limit()
     # As mlx_lm.generate takes them: stop tokens added to the tokenizer's eos tokens, keyword
     # arguments for apply_chat_template, LoRA adapters and trust_remote_code for mlx_lm's loader
@@ -137,6 +141,8 @@ class BatchOptions:
             raise BatchUsageError("eviction and generation must be EvictionConfig and GenerationConfig")
         if not isinstance(self.rows, RowsConfig):
             raise BatchUsageError("rows must be a RowsConfig")
+        if isinstance(self.globs, str) or not all(isinstance(g, str) for g in self.globs):
+            raise BatchUsageError(f"globs must be a list of file name patterns, got {self.globs!r}")
         if self.max_kv_memory is not None and (isinstance(self.max_kv_memory, bool)
                                                or not isinstance(self.max_kv_memory, int) or self.max_kv_memory < 1):
             raise BatchUsageError(f"max_kv_memory must be a number of bytes > 0, got {self.max_kv_memory!r}")
@@ -275,7 +281,8 @@ def run_batch(
     stdout: Optional[BinaryIO] = None,
     group: Optional[Group] = None,
 ) -> BatchSummary:
-    """Run every row of ``input_path`` (``-`` = stdin) into ``output_path``.
+    """Run every row of ``input_path`` (``-`` = stdin; a folder: one row per file
+    matching ``options.globs``) into ``output_path``.
 
     Everything that can be checked before work starts (options, input,
     output, locks, an output that no longer matches the input, the model)
@@ -309,9 +316,9 @@ class _Files(Outputs):
         output = output_path or default_output(input_path)
         if not group.distributed:
             return cls(output, options.stats_log, output, options.stats_log, input=input_path)
-        if input_path == "-" or is_stream(input_path) or is_stream(output):
-            raise BatchUsageError("a run across several processes needs the input and the output as regular files "
-                                  "(each rank writes a part file beside the output)")
+        if input_path == "-" or (is_stream(input_path) and not os.path.isdir(input_path)) or is_stream(output):
+            raise BatchUsageError("a run across several processes needs the input as a regular file or a folder, "
+                                  "and the output as a regular file (each rank writes a part file beside it)")
         stats = options.stats_log
         if stats is not None and is_stream(stats):
             raise BatchUsageError("a run across several processes needs the stats log as a regular file")
@@ -353,7 +360,7 @@ class _Files(Outputs):
 class _Prepared:
     """What a run has once every check before work has passed."""
 
-    stream: BinaryIO
+    source: Optional[InputSource]
     locks: list
     runner: Optional[RowRunner] = None
     memory: Any = None
@@ -424,10 +431,11 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
 def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Group) -> _Prepared:
     """Every check before work: files, locks, the model, the settings, the input's
     rows. In a group, every rank hears of any rank's failure and stops with it."""
-    stream, locks, error, ready = None, [], None, None
+    source, locks, error, ready = None, [], None, None
     try:
         files.check(options, group)
-        stream = open_input(files.input)
+        source = open_source(files.input, options.rows, options.globs,
+                             (files.output, files.stats_log, options.summary_json))
         locks = files.lock(group)
         if options.summary_json and group.rank == 0 and not is_stream(options.summary_json):
             remove_stale_temps(options.summary_json)
@@ -436,7 +444,7 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
         tokenizer = prepare_tokenizer(tokenizer, options)
         eviction, note = options.eviction, None
         if options.auto_layout is not None:
-            ratio = run_ratio(tokenizer, _first_documents(stream, options.rows), options.eviction.budget)
+            ratio = run_ratio(tokenizer, _first_documents(source), options.eviction.budget)
             eviction, note = auto_config(model, options.eviction, options.auto_layout, ratio)
         try:
             runner = _Runner(model, tokenizer, model_spec=options.model, eviction=eviction,
@@ -446,8 +454,8 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
         except ValueError as e:
             raise BatchUsageError(str(e)) from None
         memory = kv_memory(model, runner.base.eviction)
-        wanted, total, items = _scan_rows(stream, runner, options.limit, group)
-        ready = _Prepared(stream, locks, runner, memory, wanted, total, options.limit, items, note)
+        wanted, total, items = _scan_rows(source, runner, options.limit, group)
+        ready = _Prepared(source, locks, runner, memory, wanted, total, options.limit, items, note)
     except KeyboardInterrupt:
         error = Interrupted()
     except BaseException as e:  # noqa: BLE001 - in a group, every rank must hear of it (below)
@@ -463,7 +471,7 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
         elif error is not None:
             raise error
     except BaseException:
-        _release(_Prepared(stream, locks) if ready is None else ready)
+        _release(_Prepared(source, locks) if ready is None else ready)
         raise
     return ready
 
@@ -486,8 +494,8 @@ class _Runner(RowRunner):
 def _release(ready: _Prepared) -> None:
     for lock in ready.locks:
         lock.release()
-    if ready.stream is not None:
-        ready.stream.close()
+    if ready.source is not None:
+        ready.source.close()
 
 
 def _loop(ready: _Prepared, writer, stats, done: set, summary: BatchSummary, progress: bool, signals,
@@ -497,8 +505,8 @@ def _loop(ready: _Prepared, writer, stats, done: set, summary: BatchSummary, pro
     bar = tqdm(total=ready.total, unit="row", file=sys.stderr, dynamic_ncols=True, desc=label,
                disable=not (progress and sys.stderr.isatty()))
     sink = Sink(writer, stats, summary, bar, kv=ready.runner.kv, log=log or stderr_log, verbose=verbose,
-                 live=progress)
-    items = share(read_rows(ready.stream, shape=ready.runner.rows), ready.limit, group.rank, group.size)
+                 live=progress, lines=ready.source.lines)
+    items = share(ready.source.items(), ready.limit, group.rank, group.size)
     with bar:
         try:
             ready.runner.run(items, done, sink.emit, stop_reading=lambda: signals.stop,
@@ -538,8 +546,7 @@ def _finish_group(files: _Files, ready: _Prepared, plan: ResumePlan, summary: Ba
         return summary  # the parts keep every finished record; rerunning the launch resumes
 
     def items():
-        ready.stream.seek(0)
-        return share(read_rows(ready.stream, shape=options.rows), options.limit)
+        return share(ready.source.items(), options.limit)
 
     with group.during("the merge"):
         total = combine_summaries(group.gather_json(summary.to_dict()), files)
@@ -586,26 +593,26 @@ def _open_writer(path: str, fresh: bool, stdout: Optional[BinaryIO]) -> rec.Reco
         raise BatchUsageError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def _first_documents(stream: BinaryIO, shape: Any, limit: int = 64) -> list:
+def _first_documents(source: InputSource, limit: int = 64) -> list:
     """The documents (context, else prompt) of the input's first ``limit`` rows, for
-    ``--preset auto``'s check of the run's compression; the stream is rewound."""
+    ``--preset auto``'s check of the run's compression."""
     texts = []
-    for item in read_rows(stream, shape=shape):
+    for item in source.items():
         if isinstance(item, Row):
             texts.append(item.context if item.context is not None else item.prompt)
         if len(texts) >= limit:
             break
-    stream.seek(0)
     return texts
 
 
-def _scan_rows(stream: BinaryIO, runner: RowRunner, limit: Optional[int], group: Group) -> tuple[Wanted, int, int]:
+def _scan_rows(source: InputSource, runner: RowRunner, limit: Optional[int],
+               group: Group) -> tuple[Wanted, int, int]:
     """What a record of each input row would carry now (its fingerprint, line and
     config), the number of rows this process will see (after --limit, in its
     share), and the number of items (rows and bad lines) in the whole input."""
-    wanted = Wanted(model=runner.model_spec)
+    wanted = Wanted(model=runner.model_spec, rerun_edited=source.rerun_edited)
     total = items = 0
-    for n, item in enumerate(read_rows(stream, shape=runner.rows)):
+    for n, item in enumerate(source.items()):
         items += 1
         if isinstance(item, Row):
             fingerprint = wanted.expected[item.key] = runner.fingerprint(item)
@@ -614,7 +621,6 @@ def _scan_rows(stream: BinaryIO, runner: RowRunner, limit: Optional[int], group:
                 wanted.configs[item.key] = runner.settings_for(item.overrides).config  # shared by rows alike
         if (limit is None or n < limit) and shard_of(n, group.size) == group.rank:
             total += 1
-    stream.seek(0)
     return wanted, total, items
 
 

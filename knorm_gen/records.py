@@ -24,13 +24,15 @@ from typing import Any, BinaryIO, Optional, Sequence, Union
 INVALID_UTF8 = "invalid_utf8"
 INVALID_JSON = "invalid_json"
 LINE_TOO_LONG = "line_too_long"
+FILE_TOO_LARGE = "file_too_large"  # a folder's file over the byte limit of one input line
+UNREADABLE_FILE = "unreadable_file"  # a folder's file (or subfolder) not readable, or a PDF pypdf cannot parse
 INVALID_ROW = "invalid_row"
 DUPLICATE_ID = "duplicate_id"
 PROMPT_TOO_LONG = "prompt_too_long"
 GENERATION_ERROR = "generation_error"
 KV_MEMORY_EXCEEDED = "kv_memory_exceeded"  # a row that cannot fit --max-kv-memory even alone
-ERROR_TYPES = (INVALID_UTF8, INVALID_JSON, LINE_TOO_LONG, INVALID_ROW, DUPLICATE_ID, PROMPT_TOO_LONG,
-               KV_MEMORY_EXCEEDED, GENERATION_ERROR)
+ERROR_TYPES = (INVALID_UTF8, INVALID_JSON, LINE_TOO_LONG, FILE_TOO_LARGE, UNREADABLE_FILE, INVALID_ROW, DUPLICATE_ID,
+               PROMPT_TOO_LONG, KV_MEMORY_EXCEEDED, GENERATION_ERROR)
 """Every ``error.type`` a record can carry, as the README's record table lists them
 (``tests/test_records.py`` holds the two together)."""
 
@@ -65,9 +67,10 @@ def empty_record(row_id: Any, model: str, config: dict, meta: Optional[dict]) ->
     return record
 
 
-def failed(record: dict, kind: str, message: str, line: int) -> dict:
-    """``record`` as a failure: the error named, every number null."""
-    record["error"] = {"type": kind, "message": f"line {line}: {message}", "line": line}
+def failed(record: dict, kind: str, message: str, line: int, where: Optional[str] = None) -> dict:
+    """``record`` as a failure: the error named, every number null. The message starts
+    with ``where`` the row came from (default ``line N``; a folder's file: its path)."""
+    record["error"] = {"type": kind, "message": f"{where or f'line {line}'}: {message}", "line": line}
     for name in STATS_FIELDS:
         record[name] = None
     record["completion"] = record["answers"] = None

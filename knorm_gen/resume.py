@@ -52,10 +52,11 @@ class ResumeState:
     records: dict[str, tuple[Optional[str], bytes]] = field(default_factory=dict)
     dropped_errors: int = 0
     torn: bool = False
+    dropped_edited: int = 0  # records of rows edited since (see :func:`drop_edited`)
 
     @property
     def needs_rewrite(self) -> bool:
-        return self.torn or self.dropped_errors > 0
+        return self.torn or self.dropped_errors > 0 or self.dropped_edited > 0
 
 
 def scan_output(path: Union[str, Path]) -> ResumeState:
@@ -125,6 +126,7 @@ class ResumePlan:
     rewrite: bool = False
     torn: bool = False
     retried: int = 0
+    edited: int = 0  # records dropped because their rows were edited since: run again
 
 
 def check_resume(records: dict, expected: dict[str, Optional[str]], accept_old: bool, where: str,
@@ -205,17 +207,37 @@ def _what_changed(changed: list, configs: dict, model: Optional[str]) -> list[st
 
 
 def plan_resume(output: str, expected: dict[str, Optional[str]], accept_old: bool,
-                configs: Optional[dict] = None, model: Optional[str] = None) -> ResumePlan:
+                configs: Optional[dict] = None, model: Optional[str] = None, rerun_edited: bool = False) -> ResumePlan:
     """Compare an earlier output with the input's rows (see :func:`check_resume`).
 
     ``expected`` maps each input row's id to the fingerprint a record of it
     would carry now. A record counts as done only when its fingerprint matches.
+    ``rerun_edited``: the records of rows edited since are dropped (:func:`drop_edited`).
     """
     state = scan_output(output)
+    if rerun_edited and not accept_old:
+        state.dropped_edited = len(drop_edited(state.records, Wanted(expected, configs=configs or {}, model=model)))
     check_resume(state.records, expected, accept_old, output, configs, model)
     return ResumePlan(done=set(state.records), keep=[line for _, line in state.records.values()],
                       keys=list(state.records), rewrite=state.needs_rewrite, torn=state.torn,
-                      retried=state.dropped_errors)
+                      retried=state.dropped_errors, edited=state.dropped_edited)
+
+
+def drop_edited(records: dict, wanted: "Wanted") -> set[str]:
+    """Take out of ``records`` (id -> (fingerprint, line)) those made with the settings and
+    model of now from other row content (a folder's file edited since), so that their
+    rows run again; returns their ids. Records made with other settings stay, for
+    :func:`check_resume` to refuse."""
+    edited = set()
+    for key, (fp, line) in records.items():
+        if key not in wanted.configs or fp == wanted.expected.get(key):
+            continue
+        old = rec.parse_record(line.rstrip(b"\n"))
+        if old is not None and not settings_changes(old, wanted.configs[key], wanted.model):
+            edited.add(key)
+    for key in edited:
+        del records[key]
+    return edited
 
 
 # ------------------------------------------------------------------ a run's plan
@@ -236,12 +258,14 @@ class Outputs:
 class Wanted:
     """What the input and the options give now: for every input row's id, the
     fingerprint its record would carry, its line number and (rows with valid
-    settings) the ``config`` its record would carry; and the model spec."""
+    settings) the ``config`` its record would carry; the model spec; and whether
+    a row edited since its record runs again (:func:`drop_edited`)."""
 
     expected: dict[str, Optional[str]] = field(default_factory=dict)
     lines: dict[str, int] = field(default_factory=dict)
     configs: dict[str, dict] = field(default_factory=dict)
     model: Optional[str] = None
+    rerun_edited: bool = False  # a row edited since its record runs again (a folder's file), not refused
 
 
 def plan_run(files: Outputs, wanted: Wanted, *, accept_old: bool, overwrite: bool, group: Group,
@@ -264,15 +288,17 @@ def _plan_alone(files: Outputs, wanted: Wanted, accept_old: bool, overwrite: boo
         for path in parts:
             path.unlink(missing_ok=True)
         return ResumePlan()
-    plan = plan_resume(files.own_output, wanted.expected, accept_old, wanted.configs, wanted.model)
+    plan = plan_resume(files.own_output, wanted.expected, accept_old, wanted.configs, wanted.model,
+                       wanted.rerun_edited)
     if parts:  # an earlier run across several processes stopped before its merge: take its records in
         have = set(plan.done)
-        extra = [(k, fp, line.encode("utf-8")) for k, fp, line in _local_records(files) if k not in have]
-        extra = list({k: (fp, line) for k, fp, line in extra}.items())
-        check_resume(dict(extra), wanted.expected, accept_old, files.output, wanted.configs, wanted.model)
-        plan.keep += [line for _, (_, line) in extra]
-        plan.keys += [k for k, _ in extra]
-        plan.done |= {k for k, _ in extra}
+        extra = {k: (fp, line.encode("utf-8")) for k, fp, line in _local_records(files) if k not in have}
+        if wanted.rerun_edited and not accept_old:
+            drop_edited(extra, wanted)
+        check_resume(extra, wanted.expected, accept_old, files.output, wanted.configs, wanted.model)
+        plan.keep += [line for _, line in extra.values()]
+        plan.keys += list(extra)
+        plan.done |= set(extra)
         plan.rewrite = True
     if plan.rewrite:
         rewrite_atomically(files.own_output, plan.keep)
@@ -283,6 +309,7 @@ def _plan_alone(files: Outputs, wanted: Wanted, accept_old: bool, overwrite: boo
     if (plan.done or plan.rewrite) and log:
         log(f"resuming {files.own_output}: {len(plan.done)} rows already done"
             + (f", {plan.retried} failed rows to retry" if plan.retried else "")
+            + (f", {plan.edited} edited since to run again" if plan.edited else "")
             + (", cut a torn last line" if plan.torn else ""))
     return plan
 
@@ -348,8 +375,10 @@ def _plan_group(files: Outputs, wanted: Wanted, accept_old: bool, overwrite: boo
             current = union.get(key)
             if current is None or (current[0] != expected.get(key) and fp == expected.get(key)):
                 union[key] = (fp, line.encode("utf-8"))
+    edited = drop_edited(union, wanted) if wanted.rerun_edited and not accept_old else set()
     check_resume(union, expected, accept_old, files.output, wanted.configs, wanted.model)
-    state = scan_output(files.own_output)  # this rank's part: cut a torn line, drop failed records
+    state = scan_output(files.own_output)  # this rank's part: cut a torn line, drop failed and edited records
+    state.dropped_edited = sum(state.records.pop(k, None) is not None for k in edited)
     if state.needs_rewrite:
         rewrite_atomically(files.own_output, [line for _, line in state.records.values()])
     if files.own_stats:

@@ -45,10 +45,16 @@ class Row:
     overrides: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     digest: str = ""  # content_digest of the row object, for record fingerprints
+    path: Optional[str] = None  # a folder's file: its path under the folder (``line`` is then its number)
 
     @property
     def key(self) -> str:
         return id_key(self.id)
+
+    @property
+    def where(self) -> str:
+        """Where the row came from, as its error messages start: ``line 3``, or a folder file's path."""
+        return self.path if self.path is not None else f"line {self.line}"
 
 
 @dataclass
@@ -174,20 +180,23 @@ def content_digest(obj: Any) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def parse_row(obj: dict, number: int, shape: Optional[RowsConfig] = None) -> Union[Row, RowError]:
+def parse_row(obj: dict, number: int, shape: Optional[RowsConfig] = None,
+              where: Optional[str] = None) -> Union[Row, RowError]:
     """Validate a decoded row object. ``shape.context_field`` names the field holding
-    a document; ``shape.questions`` are asked of a document with no question of its own."""
+    a document; ``shape.questions`` are asked of a document with no question of its own.
+    An error's message starts with ``where`` (default ``line N``)."""
     shape = shape or RowsConfig()
+    where = where or f"line {number}"
     consumed = (set(ROW_FIELDS) - {"context"}) | {shape.context_field}
     meta = {k: v for k, v in obj.items() if k not in consumed}
     row_id = obj.get("id", number)
     problem = _id_error(row_id)
     if problem:
-        return RowError(number, INVALID_ROW, f"line {number}: {problem}", meta=meta)
+        return RowError(number, INVALID_ROW, f"{where}: {problem}", meta=meta)
     row = Row(number, row_id, "prompt", meta=meta)
     problem = _body_error(obj, row, shape) or _overrides_error(obj, row)
     if problem:
-        return RowError(number, INVALID_ROW, f"line {number}: {problem}", id=row_id, meta=meta)
+        return RowError(number, INVALID_ROW, f"{where}: {problem}", id=row_id, meta=meta)
     return row
 
 

@@ -87,8 +87,9 @@ class Sink:
     A closed output pipe or an I/O error sets ``stopped``: the run ends there."""
 
     def __init__(self, writer, stats, summary: Any, bar, kv=None, log: Optional[Callable[[str], None]] = None,
-                 verbose: bool = False, live: bool = False):
+                 verbose: bool = False, live: bool = False, lines: bool = True):
         self.writer, self.stats, self.summary, self.bar = writer, stats, summary, bar
+        self.lines = lines  # a row's number is a line of the input (JSONL), worth naming; a folder's file has its path
         self.kv = kv  # the runner's KVLimit: memory in flight for the bar and the summary
         self.log = log or stderr_log
         self.verbose = verbose  # a line per finished row
@@ -148,7 +149,7 @@ class Sink:
             if not self.bar.disable and not self.verbose:  # per-row notes only beside a live progress bar
                 tqdm.write(f"error: {record['error']['message']}", file=sys.stderr)
         if self.verbose:
-            self.say(row_line(record, line))
+            self.say(row_line(record, line if self.lines else None))
         if record["error"] is None and not self.budget_warned:
             self._check_budget(record, line)
         self.bar.set_postfix({"ok": summary.ok, "failed": summary.failed,
@@ -163,7 +164,8 @@ class Sink:
         message = budget_warning(config.get("budget"), record.get("prompt_tokens"))
         if message:
             self.budget_warned = True
-            message += f" (first such row: {row_name(record['id'])}, line {line}; said once per run)"
+            where = f", line {line}" if self.lines else ""
+            message += f" (first such row: {row_name(record['id'])}{where}; said once per run)"
             if self.live:
                 self.summary.warn(message, self.say)
             else:
@@ -200,12 +202,14 @@ class Sink:
             summary.generated_tokens_per_s = summary.generated_tokens / wall_s
 
 
-def row_line(record: dict, line: int) -> str:
-    """``--verbose``: one finished row on one line (id, tokens seen and kept, compression, seconds)."""
+def row_line(record: dict, line: Optional[int]) -> str:
+    """``--verbose``: one finished row on one line (id, line unless None, tokens seen and kept,
+    compression, seconds)."""
     name = f"row {row_name(record['id']).removeprefix('id ')}"
-    if record["error"] is not None:  # its message starts with its line number
+    if record["error"] is not None:  # its message starts with its line number (or a folder file's path)
         return f"{name}: failed: {record['error']['type']}: {record['error']['message']}"
-    name += f" (line {line})"
+    if line is not None:
+        name += f" (line {line})"
     seconds = (record.get("prefill_s") or 0.0) + (record.get("decode_s") or 0.0)
     ratio = record.get("compression_ratio")
     return (f"{name}: {record['tokens_seen']} tokens seen, {record['tokens_kept']} kept, "

