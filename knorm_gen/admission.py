@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from .config import ResolvedEviction
 from .memory import KVMemory, kv_memory, mib
-from .scores import pinned_count
+from .spans import pinned_count
 
 DEFAULT_KV_SHARE = 0.5
 """The default ``--max-kv-memory``: this share of the machine's memory (of Metal's

@@ -18,21 +18,19 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from .quant import KV_GROUP_SIZES, check_head_dims, check_kv_quantization
-from .scores import SCORES
+from .rules import KEEP_MODES, RULES
+from .rules.question import READINGS
 
-KEEP_MODES = tuple(SCORES)
-"""Ranking rules, one per entry of :data:`knorm_gen.scores.SCORES`. ``low`` is the
-paper's; ``high`` its ablation; ``keydiff`` (arXiv:2504.15364) keeps the keys least
-like the head's mean direction; ``blend`` adds the paper's log norm to KeyDiff's
-cosine; ``leverage`` (Compactor, arXiv:2507.08143) keeps the keys of highest
-statistical leverage against the head's keys seen; ``question`` keeps the document
-keys the job's instructions would attend to (:mod:`knorm_gen.question`; 0.7-0.9's default),
-``question_carry`` the same with a share of each later layer's slots kept for what the
-earlier layers scored best (0.10's default), ``question_per_query`` the question
-rule with each probe query's own local mean taken out first, ``question_per_query_carry``
-that, carrying (0.11's default), ``question_both_carry`` the mean of the two scores,
-carrying (the default since 0.12); ``random`` and ``recent``
-(StreamingLLM: sinks + most recent) are baselines."""
+LEGACY_RULES: dict[str, dict[str, Any]] = {
+    "question_per_query": dict(keep="question", question_score="per_query", carry=0.0),
+    "question_carry": dict(keep="question", question_score="best", carry=0.25),
+    "question_per_query_carry": dict(keep="question", question_score="per_query", carry=0.25),
+    "question_both_carry": dict(keep="question", question_score="mean", carry=0.25),
+}
+"""Rule names that saved records, job files, resume fingerprints and tunings may hold from
+before the question rule's reading and carried share were settings: each is ``keep="question"``
+with the settings below. They are read, not offered. (A saved ``keep="question"`` without a
+``question_score`` means the best reading without carry.)"""
 
 EARLY_FRACTION = 0.3
 """The share of leading layers ``skip_layers=None`` (``--preset retrieval``, the
@@ -58,13 +56,6 @@ tokens, beside the question rule. Of the three splits measured for that rule
 (benchmarks/choose_default.py, docs/results.md), the quarter kept random eviction's
 summary fidelity on both models held out, where the eighth fell short on Gemma 3 (the
 half: fewer keys on the tuning split). The intrinsic layouts keep the half (``--preset intrinsic``)."""
-EARLY_KEEP = "leverage"
-"""The rule of the early layers (:func:`early_layers`) under ``keep="blend"``
-(``early_keep="auto"``; ``--preset intrinsic``, 0.5's and 0.6's default). Chosen on the
-tuning split (benchmarks/choose_default.py, docs/results.md): on Gemma 3 the blend lost
-the pass keys placed early in a filler because its first global layer (5) evicted them;
-leverage there kept all ten, and the blend in the later layers kept more of a summary
-than leverage everywhere."""
 OLD_RECENT_SHARE = 0.125
 """The recent window of every layout before ``recent_share`` (``budget // 8``): the
 presets keep it, and a saved tuning or record without the field means it."""
@@ -79,8 +70,10 @@ def auto_recent(budget: int, share: float = OLD_RECENT_SHARE, n_sink: int = 0) -
 
 
 def check_rule(rule: Any, field: str = "keep", auto: bool = False) -> str:
-    """``rule`` as a rule name of :data:`KEEP_MODES` (or ``"auto"`` where ``auto``), or
-    ValueError naming ``field``."""
+    """``rule`` as a rule name of :data:`KEEP_MODES` (or ``"auto"`` where ``auto``; a name of
+    :data:`LEGACY_RULES` as ``question``), or ValueError naming ``field``."""
+    if rule in LEGACY_RULES:
+        return "question"
     if rule not in (("auto",) if auto else ()) + KEEP_MODES:
         raise ValueError(f"{field} must be {'auto or ' if auto else ''}one of {', '.join(KEEP_MODES)}; got {rule!r}")
     return rule
@@ -232,7 +225,7 @@ def parse_layer_keep(value: Any) -> Optional[dict[int, str]]:
     out: dict[int, str] = {}
     for part in _budget_parts(value):
         layers, colon, rule = part.rpartition(":")
-        if not colon or rule.strip() not in KEEP_MODES:
+        if not colon or (rule.strip() not in KEEP_MODES and rule.strip() not in LEGACY_RULES):
             raise ValueError(f"layer_keep must look like '0-5:low,20:leverage' (layers:rule, a rule of "
                              f"{', '.join(KEEP_MODES)}), got {value!r}")
         for layer in _layer_list(layers, "layer_keep"):
@@ -293,31 +286,26 @@ def _setting(default: Any, help: str, *, parse=None, metavar: Optional[str] = No
 class EvictionConfig:
     """How every compressed layer evicts, as the user states it. ``budget=None``
     means no eviction; ``recent=None`` means :func:`auto_recent` (``recent_share`` of
-    each layer's budget). The default (0.12), ``keep="question_both_carry"`` in every
-    layer (the document keys the job's instructions would attend to, probed before the
-    document is read: the mean of the question rule's score and its per-query form's, where
-    each probe query's own local mean is taken out first, :mod:`knorm_gen.question`; each
-    layer after the first keeping a quarter of its rule's slots for what the layers before it
-    scored best), a quarter of each budget as the most
-    recent tokens (``recent_share=0.25``), no coverage and ``skip_layers=()``, bounds every
-    full-attention layer. It was chosen on documents and fillers held out from tuning and
-    on fresh READMEs (benchmarks/choose_default.py; docs/results.md, 0.12): every intrinsic
-    layout (the key's norm, KeyDiff, the blend, leverage, coverage) lost the pass keys planted
-    inside real prose; this one found 0.93x of the full cache's on SmolLM2's ten held-out
-    documents and two fillers and 1.00x on Gemma 3's (each key asked after the context and
-    inside one prompt), at least 0.92x on every fresh set, above random eviction's summary
-    fidelity on every held-out set (``knorm-tune`` prefers 0.11's default on SmolLM2's tuning
-    documents). A cache that is never probed (a plain mlx_lm loop without
-    :func:`~knorm_gen.cache.probe_caches`) ranks by the key norm and warns.
-    ``skip_layers`` are left uncompressed (their
-    memory grows with the input); ``None`` means :func:`early_layers`: the first 30%
-    (at least two) of the full-attention layers (``--preset retrieval``).
-    ``layer_budgets`` (``{layer: budget}``) overrides the budget of single layers.
+    each layer's budget).
 
-    ``early_factor=N`` bounds every layer instead: nothing is skipped and the
-    first 30% of the full-attention layers hold ``N * budget`` tokens (with 8, memory at budget 512
-    stops growing past 4096 tokens; README, Results). It replaces
-    ``skip_layers`` and ``layer_budgets``, so it cannot be combined with them.
+    The default bounds every full-attention layer (``skip_layers=()``) and keeps, per
+    layer and KV head, the document keys the job's instructions would attend to
+    (``keep="question"``: the instructions after the document are probed before it is
+    read, :mod:`knorm_gen.rules.question`; ``question_score="mean"``), with a quarter of
+    each later layer's rule slots carried from what the layers before it scored best
+    (``carry=0.25``, :mod:`knorm_gen.carry`) and a quarter of each budget holding the most
+    recent tokens (``recent_share=0.25``). docs/results.md measures it; docs/history.md
+    says how it was chosen. A cache that is never probed (a plain mlx_lm loop without
+    :func:`~knorm_gen.cache.probe_caches`) ranks by the key norm and warns.
+
+    ``skip_layers`` are left uncompressed (their memory grows with the input); ``None``
+    means :func:`early_layers`: the first 30% (at least two) of the full-attention
+    layers (``--preset retrieval``). ``layer_budgets`` (``{layer: budget}``) overrides
+    the budget of single layers.
+
+    ``early_factor=N`` bounds every layer instead: nothing is skipped and the first 30%
+    of the full-attention layers hold ``N * budget`` tokens. It replaces ``skip_layers``
+    and ``layer_budgets``, so it cannot be combined with them.
 
     :meth:`resolved` / :meth:`for_model` give the explicit per-layer form."""
 
@@ -326,20 +314,23 @@ class EvictionConfig:
     n_sink: int = _setting(4, "Leading tokens never evicted.")
     recent: Optional[int] = _setting(None, "Most recent tokens never evicted (overrides --recent-share).",
                                      default_text="--recent-share x budget")
-    keep: str = _setting("question_both_carry", "question_both_carry = keep the document keys the "
-                         "instructions after the document would attend to (probed first; the mean of the question rule's "
-                         "score and its per-query form's), each layer after the first keeping a quarter of its rule's "
-                         "slots for the positions the earlier layers scored best (the default); question_per_query_carry "
-                         "= the per-query form alone, carrying (0.11's default); question_per_query = that without "
-                         "carrying; question_carry = the question rule carrying (0.10's default); question = "
-                         "without either (0.7-0.9's default); low = keep low key norms (the paper's L2Norm rule); "
-                         "keydiff = keep keys least like the head's mean; blend = both (--preset intrinsic, with "
-                         "leverage in the early layers: --early-keep); leverage = keep keys unlike the rest by "
-                         "statistical leverage; high = ablation; random/recent = baselines.",
-                         choices=KEEP_MODES)
+    keep: str = _setting("question", "The rule that ranks a layer's document keys: question = the keys the "
+                         "instructions after the document would attend to, probed first (the default; --question-score, "
+                         "--carry); low = the lowest key norms (the paper's L2Norm rule); keydiff = the keys least like "
+                         "the head's mean; blend = both (with leverage in the early layers: --early-keep); leverage = "
+                         "keys unlike the rest by statistical leverage; high = the ablation of low; random, recent = "
+                         "baselines.", choices=KEEP_MODES)
+    question_score: str = _setting(
+        "mean", "How the question rule reads a key's score from the probe: best = the best query's attention "
+        "beyond the sentences around it; per_query = each query's beyond its own neighbourhood; mean = the mean "
+        "of the two.", choices=READINGS)
+    carry: float = _setting(
+        0.25, "Share of each question-rule layer's rule slots (after the first such layer) kept for the positions "
+        "the earlier layers scored best (0 = none).", metavar="SHARE")
     early_keep: str = _setting(
         "auto", "Rule of the first 30% of the full-attention layers (at least two): auto = leverage under "
-        "--keep blend (--preset intrinsic), else the --keep rule (the default: question_both_carry); or a rule name. --layer-keep overrides it per layer.",
+        "--keep blend (--preset intrinsic), else the --keep rule; or a rule name. --layer-keep overrides it per "
+        "layer.",
         choices=("auto", *KEEP_MODES))
     skip_layers: Optional[tuple[int, ...]] = _setting(
         (), "Layers left uncompressed (their memory grows with the input), e.g. '0,1' or '0-8'; 'none' "
@@ -370,6 +361,7 @@ class EvictionConfig:
         parse=parse_layer_keep, metavar="LAYERS:RULE,...")
 
     def __post_init__(self):
+        self._read_legacy_rules()
         if self.skip_layers is not None:
             if isinstance(self.skip_layers, (str, bytes)) or not hasattr(self.skip_layers, "__iter__"):
                 raise ValueError(f"skip_layers must be a list of layer indices, got {self.skip_layers!r}")
@@ -378,6 +370,9 @@ class EvictionConfig:
         if self.recent is not None and not _is_int(self.recent):
             raise ValueError(f"recent must be an integer, got {self.recent!r}")
         object.__setattr__(self, "coverage", check_coverage(self.coverage))
+        object.__setattr__(self, "carry", _check_share(self.carry, "carry", 0.25))
+        if self.question_score not in READINGS:
+            raise ValueError(f"question_score must be one of {', '.join(READINGS)}; got {self.question_score!r}")
         object.__setattr__(self, "recent_share", check_recent_share(self.recent_share))
         check_rule(self.early_keep, "early_keep", auto=True)
         check_kv_quantization(self.kv_bits, self.kv_group_size)
@@ -411,13 +406,29 @@ class EvictionConfig:
                 raise ValueError("early_factor sets the layer layout itself: leave skip_layers and layer_budgets "
                                  "unset, or drop early_factor")
 
+    def _read_legacy_rules(self) -> None:
+        """A rule name of :data:`LEGACY_RULES` (a saved record's, job file's or tuning's) as
+        ``keep="question"`` with the reading and carried share it meant."""
+        if self.keep in LEGACY_RULES:
+            for name, value in LEGACY_RULES[self.keep].items():
+                object.__setattr__(self, name, value)
+        if self.early_keep in LEGACY_RULES:
+            object.__setattr__(self, "early_keep", "question")
+        if isinstance(self.layer_keep, Mapping) and any(r in LEGACY_RULES for r in self.layer_keep.values()):
+            object.__setattr__(self, "layer_keep", {k: "question" if r in LEGACY_RULES else r
+                                                    for k, r in self.layer_keep.items()})
+
+    def rules(self) -> set[str]:
+        """Every rule some layer may run (``keep``, the early layers', ``layer_keep``'s)."""
+        return {self.keep, self.early_rule() or self.keep, *(self.layer_keep or {}).values()}
+
     def layer_recent(self, budget: int) -> int:
         """The recent window of a layer holding ``budget`` tokens."""
         return auto_recent(budget, self.recent_share, self.n_sink) if self.recent is None else self.recent
 
     def early_rule(self) -> Optional[str]:
         """The rule of the early layers where it is not ``keep`` (None: ``keep`` there too)."""
-        rule = (EARLY_KEEP if self.keep == "blend" else self.keep) if self.early_keep == "auto" else self.early_keep
+        rule = (RULES[self.keep].early or self.keep) if self.early_keep == "auto" else self.early_keep
         return None if rule == self.keep else rule
 
     def for_model(self, model: Any) -> "ResolvedEviction":
@@ -425,11 +436,11 @@ class EvictionConfig:
         full-attention layers (found by building the model's own caches: a
         run that resolves many configs should find them once, with
         :func:`knorm_gen.mlx_compat.full_attention_layers`, and call :meth:`resolved`)."""
-        from .mlx_compat import full_attention_layers, kv_head_dims
+        from .mlx_compat import full_attention_layers, kv_head_dims, make_prompt_cache
 
         if self.kv_bits:
             check_head_dims(kv_head_dims(model), self.kv_group_size)
-        return self.resolved(len(model.layers), full_attention_layers(model))
+        return self.resolved(len(make_prompt_cache(model)), full_attention_layers(model))
 
     def resolved(self, n_layers: int, full_layers: Optional[Sequence[int]] = None) -> "ResolvedEviction":
         """This config made explicit for a model of ``n_layers`` whose plain
@@ -463,7 +474,8 @@ class EvictionConfig:
         rules.update({i % n_layers: r for i, r in (self.layer_keep or {}).items()})
         rules = rules or None
         return ResolvedEviction(self.budget, self.n_sink, base_recent, self.keep, tuple(skip), budgets or None,
-                                n_layers, full, tuple(plan), self.coverage, self.kv_bits, self.kv_group_size, rules)
+                                n_layers, full, tuple(plan), self.coverage, self.kv_bits, self.kv_group_size, rules,
+                                self.question_score, self.carry)
 
     def to_dict(self) -> dict:
         """JSON-ready: ``skip_layers`` as a list (or None); ``layer_budgets`` and
@@ -490,12 +502,15 @@ class EvictionConfig:
             d.pop("layer_keep")
         else:
             d["layer_keep"] = {str(k): v for k, v in sorted(self.layer_keep.items())}
+        if "question" not in self.rules():  # the question rule's own settings mean nothing elsewhere
+            d.pop("question_score")
+            d.pop("carry")
         return d
 
     def __hash__(self) -> int:
         return hash((self.budget, self.n_sink, self.recent, self.keep, self.skip_layers,
                      tuple(sorted((self.layer_budgets or {}).items())), self.early_factor, self.coverage,
-                     self.recent_share, self.early_rule(),
+                     self.recent_share, self.early_rule(), self.question_score, self.carry,
                      self.kv_bits, self.kv_group_size, tuple(sorted((self.layer_keep or {}).items()))))
 
 
@@ -520,10 +535,16 @@ class ResolvedEviction:
     kv_bits: Optional[int] = None
     kv_group_size: int = KV_GROUP_SIZES[1]
     layer_keep: Optional[dict[int, str]] = None  # {layer: rule} where it is not ``keep``
+    question_score: str = "mean"
+    carry: float = 0.0
 
     def keep_of(self, layer: int) -> str:
         """The rule of ``layer``."""
         return (self.layer_keep or {}).get(layer, self.keep)
+
+    def rules(self) -> set[str]:
+        """The rules of the compressed layers."""
+        return {self.keep_of(i) for i, plan in enumerate(self.layers) if plan is not None} or {self.keep}
 
     def to_dict(self) -> dict:
         """The ``config`` records and results report (the same keys as ever:
@@ -538,11 +559,13 @@ class ResolvedEviction:
             d["kv_bits"], d["kv_group_size"] = self.kv_bits, self.kv_group_size
         if self.layer_keep:
             d["layer_keep"] = {str(k): v for k, v in sorted(self.layer_keep.items())}
+        if "question" in self.rules():
+            d["question_score"], d["carry"] = self.question_score, self.carry
         return d
 
     def __hash__(self) -> int:
         return hash((self.n_sink, self.keep, self.layers, self.coverage, self.kv_bits, self.kv_group_size,
-                     tuple(sorted((self.layer_keep or {}).items()))))
+                     tuple(sorted((self.layer_keep or {}).items())), self.question_score, self.carry))
 
 
 # ---- generation ----------------------------------------------------------------
@@ -692,38 +715,35 @@ DEFAULT_QUESTION_SEPARATOR = GenerationConfig.question_separator
 
 
 PRESETS: dict[str, dict[str, Any]] = {
+    "default": dict(recent_share=RECENT_SHARE, keep="question", question_score="mean", carry=0.25, early_keep="auto",
+                    skip_layers=(), early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None),
     "paper": dict(recent_share=OLD_RECENT_SHARE, keep="low", early_keep="auto", skip_layers=(0, 1),
                   early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None),
     "retrieval": dict(recent_share=OLD_RECENT_SHARE, keep="low", early_keep="auto", skip_layers=None,
                       early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None),
     "summarize": dict(recent_share=OLD_RECENT_SHARE, keep="keydiff", early_keep="auto", skip_layers=(),
                       early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None),
-    "question": dict(recent_share=OLD_RECENT_SHARE, keep="question", early_keep="auto", skip_layers=(),
-                     early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None),
+    "question": dict(recent_share=OLD_RECENT_SHARE, keep="question", question_score="best", carry=0.0,
+                     early_keep="auto", skip_layers=(), early_factor=None, layer_budgets=None, coverage=0.0,
+                     layer_keep=None),
     "intrinsic": dict(recent_share=0.5, keep="blend", early_keep="auto", skip_layers=(), early_factor=None,
                       layer_budgets=None, coverage=0.25, layer_keep=None),
     "auto": {},  # the model's saved tuning: resolved once the model is loaded (knorm_gen.tune.auto_config)
 }
-LAYOUT_FIELDS = ("keep", "early_keep", "coverage", "recent_share", "skip_layers", "layer_budgets", "early_factor",
-                 "layer_keep")
-"""The fields a layout (a preset, a saved tuning) sets; the budget and the rest are the run's."""
-"""Named eviction layouts (``--preset``, ``preset=``); the fields given beside a
-preset override it. ``paper``: the paper's rule and layers (keep-low, layers 0-1
-uncompressed, so their memory grows with the input). ``retrieval``: keep-low with
-the first 30% of the full-attention layers uncompressed (the default before 0.2:
-the best at pass keys on the embedded model, memory grows with the input).
-``summarize``: KeyDiff in every layer, every layer bounded (the default of 0.2).
-``question``: the ``question`` rule in every layer (the keys the job's instructions
-would attend to, probed before the document is read: :mod:`knorm_gen.question`),
-the recent eighth, no coverage, every layer bounded; best with questions asked
-apart from the document (a prompt is probed by its document's end). The default
-is the same rule with the recent quarter.
-``intrinsic``: the default of 0.5 and 0.6, which scores the keys alone (no probe):
-leverage in the first 30% of the full-attention layers, the blend in the rest, a
-quarter of each budget spread evenly, the recent half, every layer bounded; it kept
-more of a summary than the default on Gemma 3 held out and lost every key planted
-in real prose.
-``auto``: the layout ``knorm-tune`` saved for the model (the default without one)."""
+LAYOUT_FIELDS = ("keep", "question_score", "carry", "early_keep", "coverage", "recent_share", "skip_layers",
+                 "layer_budgets", "early_factor", "layer_keep")
+"""The fields a layout (a preset, a saved tuning) sets; the budget and the rest are the run's.
+
+Named layouts (``--preset``, ``preset=``; the fields given beside a preset override it):
+``default``: the default layout (the question rule in every layer, the mean reading,
+carrying a quarter, the recent quarter). ``paper``: the paper's rule and layers (keep-low,
+layers 0-1 uncompressed, so their memory grows with the input). ``retrieval``: keep-low with
+the first 30% of the full-attention layers uncompressed (memory grows with the input).
+``summarize``: KeyDiff in every layer, every layer bounded. ``question``: the question rule
+with the best reading, no carry and the recent eighth. ``intrinsic``: no probe: leverage in
+the first 30% of the full-attention layers, the blend in the rest, a quarter of each budget
+spread evenly, the recent half, every layer bounded. ``auto``: the layout ``knorm-tune``
+saved for the model (the default without one)."""
 
 
 def make_configs(eviction: Optional[EvictionConfig] = None, generation: Optional[GenerationConfig] = None,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .admission import KVLimit, KVMemoryExceeded
@@ -32,17 +32,19 @@ from .cache import copy_caches, make_eviction_cache, pin_caches, probe_caches, p
 from .config import DEFAULT_PREFILL_STEP, GenerationConfig, ResolvedEviction, settings_dict
 from .mlx_compat import generator_step, own_layer_masks
 from .prompts import as_tokenizer
-from .scores import ALL_EVICTABLE, PROBED, Spans, pin_from
+from .rules import rule_needs
+from .spans import ALL_EVICTABLE, Spans, pin_from
 from .results import GenerationResult
+from .support import model_support
 
 DEFAULT_BATCH_SIZE = 8
 """Rows decoded together by default (benchmarks/bench_batch.py; README, Results)."""
 
 
 def needs_probe(eviction: Any) -> bool:
-    """Whether a resolved layout ranks any layer against a probe of the instructions
-    (a rule in :data:`~knorm_gen.scores.PROBED`, ``keep="question"``)."""
-    return any(r in PROBED for r in (eviction.keep, *(eviction.layer_keep or {}).values()))
+    """Whether a resolved layout ranks any compressed layer against a probe of the
+    instructions (``keep="question"``)."""
+    return any(rule_needs(r) == "probe" for r in eviction.rules())
 
 
 def prefill(model: Any, ids: Sequence[int], caches: list, step: int = DEFAULT_PREFILL_STEP) -> list:
@@ -303,6 +305,9 @@ def run_jobs(model: Any, tokenizer: Any, requests: Iterable[Request], *, batch_s
     own stays within the limit (the batch drains until it does); a request that
     cannot fit even alone gets :class:`~knorm_gen.admission.KVMemoryExceeded` as its
     outcome (or raises it, without ``alone``)."""
+    if model_support(model).batching is not None:  # this model's rows cannot decode together: one at a time
+        yield from _one_at_a_time(model, tokenizer, requests, alone, kv_limit)
+        return
     batch = _Scheduler(model, tokenizer, batch_size, seed, alone, kv_limit)
     try:
         for request in requests:
@@ -434,6 +439,25 @@ class _Scheduler:
             yield request, _alone(self.alone, request)
 
 
+def _one_at_a_time(model: Any, tokenizer: Any, requests: Iterable[Request],
+                   alone: Optional[Callable[[Request], list[GenerationResult]]],
+                   kv_limit: Optional[KVLimit]) -> Iterator[tuple[Request, Outcome]]:
+    """:func:`run_jobs` for a model whose rows cannot decode together (its ``ModelSupport.batching``)."""
+    for request in requests:
+        if kv_limit is not None:
+            try:
+                kv_limit.check_alone(request)
+            except KVMemoryExceeded as e:
+                if alone is None:
+                    raise
+                yield request, e
+                continue
+        if alone is None:
+            yield request, run_alone(model, tokenizer, request)
+        else:
+            yield request, _alone(alone, request)
+
+
 def _alone(alone: Callable[[Request], list[GenerationResult]], request: Request) -> Outcome:
     try:
         return alone(request)
@@ -441,3 +465,87 @@ def _alone(alone: Callable[[Request], list[GenerationResult]], request: Request)
         raise
     except Exception as e:  # noqa: BLE001 - reported as that request's outcome
         return e
+
+
+# ---- one request alone, on mlx_lm's stream_generate ---------------------------------
+
+
+def _stream_ids(model, tok, ids, caches, *, generation: GenerationConfig, config: dict,
+                prompt_tokens: int, probe_s: float = 0.0) -> Iterator[Union[str, GenerationResult]]:
+    """Drive mlx_lm's stream_generate over ``caches``; yield text, then the result
+    (``probe_s``: seconds spent before, counted as prefill)."""
+    last = None
+    pieces = []
+    tokens = []
+    tic = time.perf_counter()
+    first_at = None
+    for resp in stream_generate(model, tok, mx.array(ids), max_tokens=generation.max_tokens,
+                                sampler=make_row_sampler(generation),
+                                logits_processors=make_row_processors(generation), prompt_cache=caches,
+                                prefill_step_size=generation.prefill_step_size):
+        if first_at is None:
+            first_at = time.perf_counter()
+        last = resp
+        tokens.append(int(resp.token))
+        if resp.text:
+            pieces.append(resp.text)
+            yield resp.text
+    end = time.perf_counter()
+    yield GenerationResult.from_caches(
+        caches,
+        max_tokens=generation.max_tokens,
+        text="".join(pieces),
+        finish_reason=last.finish_reason,
+        prompt_tokens=prompt_tokens,
+        generated_tokens=last.generation_tokens,
+        prefill_s=first_at - tic + probe_s,
+        decode_s=end - first_at,
+        prompt_tps=last.prompt_tps,
+        generation_tps=last.generation_tps,
+        peak_memory_gb=last.peak_memory,
+        config=config,
+        tokens=tokens,
+    )
+
+
+def stream_request(model: Any, tokenizer: Any, request: Request) -> Iterator[Union[str, GenerationResult]]:
+    """A prompt :class:`~knorm_gen.engine.Request` alone on mlx_lm's ``stream_generate``:
+    text pieces, then the result."""
+    generation = request.generation
+    if generation.seed is not None:
+        mx.random.seed(generation.seed)
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    tok = as_tokenizer(tokenizer)
+    caches = probe_caches(make_eviction_cache(model, request.eviction, request.spans), model, tok, request.ids,
+                          request.spans)
+    yield from _stream_ids(model, tok, request.ids, caches, generation=generation,
+                           config=settings_dict(request.eviction, generation), prompt_tokens=len(request.ids),
+                           probe_s=time.perf_counter() - tic)
+
+
+def run_alone(model: Any, tokenizer: Any, request: Request) -> list[GenerationResult]:
+    """A request with nothing else in flight, on mlx_lm's ``stream_generate``: a prompt as
+    :func:`stream_request` runs it; a context compressed once, then each question answered
+    from its own pinned copy (as a batch answers them, one at a time)."""
+    if request.ids is not None:
+        *_, result = stream_request(model, tokenizer, request)
+        return [result]
+    generation = request.generation
+    if generation.seed is not None:
+        mx.random.seed(generation.seed)
+    mx.reset_peak_memory()
+    tok = as_tokenizer(tokenizer)
+    tic = time.perf_counter()
+    caches = probe_caches(make_eviction_cache(model, request.eviction, request.spans), model, tok,
+                          request.context_ids, request.spans, request.question_ids)
+    prefill(model, request.context_ids, caches, generation.prefill_step_size)
+    context_s = time.perf_counter() - tic
+    config = settings_dict(request.eviction, generation)
+    results = []
+    for question, ids in zip(request.questions, request.question_ids):
+        *_, result = _stream_ids(model, tok, ids, pin_caches(copy_caches(caches)), generation=generation,
+                                 config=config, prompt_tokens=len(request.context_ids) + len(ids), probe_s=context_s)
+        result.question, result.context_prefill_s = question, context_s
+        results.append(result)
+    return results

@@ -9,13 +9,12 @@ import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
-from mlx_lm.generate import stream_generate
 
-from .cache import make_eviction_cache, probe_caches
 from .config import LAYOUT_FIELDS, EvictionConfig, GenerationConfig, ResolvedEviction, make_configs, settings_dict
-from .engine import DEFAULT_BATCH_SIZE, Request, make_row_processors, make_row_sampler, run_jobs
+from .engine import DEFAULT_BATCH_SIZE, Request, run_jobs, stream_request
 from .prompts import Prompt, as_tokenizer, has_chat_template, check_length, context_spans, encode_with_spans, question_prompts
 from .results import GenerationResult
+from .support import check_model
 
 __all__ = [
     "GenerationResult", "generate_with_eviction", "stream_with_eviction", "generate_batch_with_eviction",
@@ -46,49 +45,13 @@ def resolve_settings(model: Any, eviction: Eviction, generation: Optional[Genera
         eviction, note = auto_config(model, eviction, tuple(k for k in LAYOUT_FIELDS if k in settings), ratio)
         if note.startswith("preset auto: no saved tuning") or "so the default layout runs" in note:
             warnings.warn(note, stacklevel=3)
-    return eviction.for_model(model), generation
+    resolved = eviction.for_model(model)
+    check_model(model, resolved)
+    return resolved, generation
 
 
 def _chat(tokenizer: Any, generation: GenerationConfig) -> bool:
     return has_chat_template(tokenizer) if generation.chat is None else generation.chat
-
-
-def _stream_ids(model, tok, ids, caches, *, generation: GenerationConfig, config: dict,
-                prompt_tokens: int, probe_s: float = 0.0) -> Iterator[Union[str, GenerationResult]]:
-    """Drive mlx_lm's stream_generate over ``caches``; yield text, then the result
-    (``probe_s``: seconds spent before, counted as prefill)."""
-    last = None
-    pieces = []
-    tokens = []
-    tic = time.perf_counter()
-    first_at = None
-    for resp in stream_generate(model, tok, mx.array(ids), max_tokens=generation.max_tokens,
-                                sampler=make_row_sampler(generation),
-                                logits_processors=make_row_processors(generation), prompt_cache=caches,
-                                prefill_step_size=generation.prefill_step_size):
-        if first_at is None:
-            first_at = time.perf_counter()
-        last = resp
-        tokens.append(int(resp.token))
-        if resp.text:
-            pieces.append(resp.text)
-            yield resp.text
-    end = time.perf_counter()
-    yield GenerationResult.from_caches(
-        caches,
-        max_tokens=generation.max_tokens,
-        text="".join(pieces),
-        finish_reason=last.finish_reason,
-        prompt_tokens=prompt_tokens,
-        generated_tokens=last.generation_tokens,
-        prefill_s=first_at - tic + probe_s,
-        decode_s=end - first_at,
-        prompt_tps=last.prompt_tps,
-        generation_tps=last.generation_tps,
-        peak_memory_gb=last.peak_memory,
-        config=config,
-        tokens=tokens,
-    )
 
 
 def stream_with_eviction(
@@ -105,23 +68,6 @@ def stream_with_eviction(
     eviction, generation = resolve_settings(model, eviction, generation, settings, tokenizer, [prompt])
     tok = as_tokenizer(tokenizer)
     yield from stream_request(model, tok, prompt_request(model, tok, 0, prompt, eviction, generation))
-
-
-def stream_request(model: Any, tokenizer: Any, request: Request) -> Iterator[Union[str, GenerationResult]]:
-    """A prompt :class:`~knorm_gen.engine.Request` alone on mlx_lm's ``stream_generate``:
-    text pieces, then the result."""
-    generation = request.generation
-    if generation.seed is not None:
-        mx.random.seed(generation.seed)
-    mx.reset_peak_memory()
-    tic = time.perf_counter()
-    tok = as_tokenizer(tokenizer)
-    # keep="question_both_carry" (the default) and the other probed rules: the instructions after the document are probed first
-    caches = probe_caches(make_eviction_cache(model, request.eviction, request.spans), model, tok, request.ids,
-                          request.spans)
-    yield from _stream_ids(model, tok, request.ids, caches, generation=generation,
-                           config=settings_dict(request.eviction, generation), prompt_tokens=len(request.ids),
-                           probe_s=time.perf_counter() - tic)
 
 
 def generate_with_eviction(

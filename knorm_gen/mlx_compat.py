@@ -14,9 +14,12 @@ checked by the test suite; pyproject.toml pins the range the suite ran on):
   builds its own, for the duration of our batched calls;
 - ``BatchGenerator``'s ``stats()`` counters and response fields (``uid``,
   ``token``, ``finish_reason``, ``prompt_cache``, ``progress``,
-  ``end_of_prompt``): :func:`generator_step` reads them in one place;
-- each model module's module-level ``scaled_dot_product_attention``, which the
-  probe rebinds to record queries and keys (:func:`record_attention`);
+  ``end_of_prompt``, ``logprobs``): :func:`generator_step` reads them in one place;
+- the list a model's forward iterates (:func:`decoder_layers`): ``model.layers``, or for
+  pipeline-parallel models the lists under the model that hold its blocks;
+- each model module's module-level ``scaled_dot_product_attention``, which the probe
+  rebinds to record the queries each call attends with and the cache it names, and each
+  attention block's ``rope`` module for models that attend themselves (:func:`record_queries`);
 - :data:`QUANTIZED_ATTENTION`: that function takes the quantized path for a cache
   with a ``bits`` attribute (``kv_bits``).
 """
@@ -127,7 +130,8 @@ def kv_head_dims(model: Any) -> list[int]:
 
     caches = make_prompt_cache(model)
     model(mx.array([[0]]), cache=caches)
-    return sorted({d for c in caches if is_full_attention(c) for d in (c.keys.shape[-1], c.values.shape[-1])})
+    return sorted({d for c in caches if is_full_attention(c) and c.keys is not None
+                   for d in (c.keys.shape[-1], c.values.shape[-1])})
 
 
 # ---- the layers the model runs, and the shared-mask trap ----------------------
@@ -156,42 +160,71 @@ def _module_lists(module: Any, depth: int = 3) -> Iterator[list]:
             yield from _module_lists(value, depth - 1)
 
 
-def decoder_layers(model: Any) -> list:
-    """The list object the model's forward pass iterates over. Most mlx_lm models
-    expose it as ``model.layers``; pipeline-parallel ones (``qwen2``, ``qwen3_moe``,
-    ``deepseek_v3``, ... through ``PipelineMixin``) return a new slice of
-    ``model.model.layers`` at every access, so replacing an item of ``model.layers``
-    would change nothing the model runs: there the list is found under the model, as
-    the one that holds the very blocks ``model.layers`` shows.
-    :class:`UnsupportedModelError` when there is none."""
+def decoder_layers(model: Any) -> list[list]:
+    """The list objects the model's forward pass iterates over (one for most models). Most
+    mlx_lm models expose it as ``model.layers``; pipeline-parallel ones (``qwen2``,
+    ``qwen3_moe``, ``deepseek_v3``, ... through ``PipelineMixin``) return a new slice of
+    ``model.model.layers`` at every access, and a few join two lists, so replacing an item
+    of ``model.layers`` would change nothing the model runs: there the lists are found
+    under the model, as those that hold the very blocks ``model.layers`` shows.
+    :class:`UnsupportedModelError` when they are not found."""
     shown = getattr(model, "layers", None)
     if not isinstance(shown, (list, tuple)) or not shown:
         raise UnsupportedModelError(f"{architecture(model)}: the model has no list of layers (model.layers), so "
                                     f"there is no attention cache to evict from")
     if isinstance(shown, list) and model.layers is shown:
-        return shown
+        return [shown]
     wanted = {id(b) for b in shown if b is not None}
+    found, covered = [], set()
     for candidate in _module_lists(model):
-        if wanted <= {id(b) for b in candidate if b is not None} and candidate is not shown:
-            return candidate
-    raise UnsupportedModelError(f"{architecture(model)}: model.layers is a new list at every access and no list "
-                                f"under the model holds its blocks, so each layer cannot be given its own mask")
+        ids = {id(b) for b in candidate if b is not None}
+        if candidate is not shown and ids & wanted and not ids - wanted:
+            found.append(candidate)
+            covered |= ids
+    if covered != wanted:
+        raise UnsupportedModelError(f"{architecture(model)}: model.layers is a new list at every access and no "
+                                    f"list under the model holds its blocks, so each layer cannot be given its own "
+                                    f"mask")
+    return found
+
+
+_MASK_NAMES = ("mask", "attention_mask", "attn_mask")
 
 
 class _OwnMaskLayer:
-    """Wraps one transformer block: with a full-attention batch cache it builds the
-    mask from that layer's own cache instead of the one the model shares."""
+    """Wraps one transformer block: with a full-attention batch cache it builds the mask
+    from that layer's own cache instead of the one the model shares. The block's own
+    signature says which argument is the mask (``mask``, ``attention_mask``, ``attn_mask``)
+    and which the cache, however the model passes them."""
 
     def __init__(self, block: Any):
         self._block = block
 
-    def __call__(self, x, mask=None, cache=None, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
+        try:
+            bound = _signature(self._block).bind(*args, **kwargs)
+        except TypeError:
+            return self._block(*args, **kwargs)
+        cache = bound.arguments.get("cache")
         if isinstance(cache, BatchKVCache) or getattr(cache, "per_row_mask", False):
-            mask = cache.make_mask(x.shape[1], return_array=True)
-        return self._block(x, mask, cache, *args, **kwargs)
+            name = next((n for n in _MASK_NAMES if n in bound.signature.parameters), None)
+            hidden = next(iter(bound.arguments.values()))
+            if name is not None:
+                bound.arguments[name] = cache.make_mask(hidden.shape[1], return_array=True)
+        return self._block(*bound.args, **bound.kwargs)
 
     def __getattr__(self, name: str):
         return getattr(self._block, name)
+
+
+_SIGNATURES: dict = {}
+
+
+def _signature(block: Any) -> inspect.Signature:
+    kind = type(block)
+    if kind not in _SIGNATURES:
+        _SIGNATURES[kind] = inspect.signature(block.__call__)
+    return _SIGNATURES[kind]
 
 
 @contextmanager
@@ -201,21 +234,21 @@ def own_layer_masks(model: Any) -> Iterator[None]:
     set, as ours) attends with a mask built from its own cache. The list the model
     iterates (:func:`decoder_layers`) is restored on exit, so outside our calls the
     model behaves exactly as before; nothing in mlx_lm is patched. Re-entrant."""
-    layers = decoder_layers(model)
-    if any(isinstance(block, _OwnMaskLayer) for block in layers):
+    lists = decoder_layers(model)
+    if any(isinstance(block, _OwnMaskLayer) for layers in lists for block in layers):
         yield  # already inside our call
         return
-    originals = list(layers)
+    originals = [list(layers) for layers in lists]
     try:
-        for i, block in enumerate(originals):
-            if block is not None:
-                layers[i] = _OwnMaskLayer(block)
+        for layers in lists:
+            layers[:] = [block if block is None else _OwnMaskLayer(block) for block in layers]
         if not any(isinstance(block, _OwnMaskLayer) for block in model.layers):
             raise UnsupportedModelError(f"{architecture(model)}: model.layers is not the list the model runs, so "
                                         f"each layer cannot build its own mask")
         yield
     finally:
-        layers[:] = originals
+        for layers, before in zip(lists, originals):
+            layers[:] = before
 
 
 # ---- BatchGenerator ------------------------------------------------------------
@@ -238,6 +271,7 @@ class Decoded:
     token: int
     finish_reason: Any  # None while the row goes on; then "stop" or "length"
     caches: Any  # the row's caches once it finished
+    logprobs: Any = None  # the step's log-probabilities over the vocabulary
 
 
 @dataclass
@@ -254,7 +288,8 @@ def generator_step(gen: Any) -> tuple[list[Prefilled], list[Decoded], StepTiming
     for p in prompt_responses:
         done = p.progress[0] if isinstance(p.progress, tuple) else p.progress
         prefilled.append(Prefilled(p.uid, done, bool(p.end_of_prompt)))
-    decoded = [Decoded(r.uid, int(r.token), r.finish_reason, r.prompt_cache) for r in responses]
+    decoded = [Decoded(r.uid, int(r.token), r.finish_reason, r.prompt_cache, getattr(r, "logprobs", None))
+               for r in responses]
     return prefilled, decoded, StepTiming(stats.wall_time, stats.decode_time)
 
 
@@ -274,6 +309,7 @@ class ProbeCache:
         self.recording: Optional[QueryRecording] = None
         self._returned = None  # the keys the last update returned: what attention should use
         self._queries = None  # this pass's queries, once an attention call or a RoPE output shows them
+        self._via_rope = False
 
     def update_and_fetch(self, keys, values):
         import mlx.core as mx
@@ -284,6 +320,9 @@ class ProbeCache:
         self.values = values if self.values is None else mx.concatenate([self.values, values], axis=2)
         self.offset += keys.shape[2]
         self._returned = self.keys
+        return self.keys, self.values
+
+    def keys_and_values(self):
         return self.keys, self.values
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
@@ -311,6 +350,7 @@ class QueryRecording:
     queries: dict = field(default_factory=dict)
     other: set = field(default_factory=set)
     rope_outputs: list = field(default_factory=list)
+    by_rope: set = field(default_factory=set)  # layers whose queries came from a rope module, not from mlx_lm's SDPA
 
     def update(self, cache: ProbeCache, keys) -> None:
         self.close(cache)
@@ -318,11 +358,13 @@ class QueryRecording:
         found = [x for x in self.rope_outputs if x is not keys and x.ndim == 4 and x.shape[0] == keys.shape[0]
                  and x.shape[2] == keys.shape[2] and x.shape[3] == keys.shape[3]]
         cache._queries = found[-1] if found else None
+        cache._via_rope = bool(found)
         self.rope_outputs.clear()
 
     def attended(self, cache: ProbeCache, queries, keys) -> None:
-        if keys is cache._returned and queries.shape[-1] == keys.shape[-1]:
-            cache._queries = queries
+        grouped = _in_stored_space(queries, keys, cache._returned)
+        if grouped is not None:
+            cache._queries, cache._via_rope = grouped, False
         else:
             cache._queries = None
             self.other.add(cache.layer)
@@ -331,11 +373,37 @@ class QueryRecording:
         """File the pass that ``cache`` has just served."""
         if cache._returned is not None and cache._queries is not None:
             self.queries.setdefault(cache.layer, []).append(cache._queries)
+            if cache._via_rope:
+                self.by_rope.add(cache.layer)
         cache._queries = None
 
     def clear(self) -> None:
         self.queries.clear()
         self.other.clear()
+        self.by_rope.clear()
+
+
+def _in_stored_space(queries, keys, stored):
+    """``queries`` grouped by the KV head of the stored keys they attend, when the attention
+    used the stored keys themselves or their heads repeated (``mx.repeat``: query head h reads
+    KV head h // r) or tiled (``mx.tile``: KV head h % H, regrouped here); else None."""
+    import mlx.core as mx
+
+    if stored is None or queries.shape[-1] != stored.shape[-1]:
+        return None
+    if keys is stored:
+        return queries
+    if keys.ndim != 4 or keys.shape[2:] != stored.shape[2:] or keys.shape[1] % stored.shape[1]:
+        return None
+    heads, rep = stored.shape[1], keys.shape[1] // stored.shape[1]
+    if rep == 1 and mx.array_equal(keys.astype(stored.dtype), stored).item():  # a copy (another dtype's, say)
+        return queries
+    if rep > 1 and mx.array_equal(keys[:, ::rep], stored).item():
+        return queries
+    if rep > 1 and mx.array_equal(keys[:, :heads], stored).item() and queries.shape[1] == keys.shape[1]:
+        b, _, n, d = queries.shape
+        return queries.reshape(b, rep, heads, n, d).transpose(0, 2, 1, 3, 4).reshape(b, rep * heads, n, d)
+    return None
 
 
 def _model_modules() -> list:
@@ -348,7 +416,7 @@ def _rope_owners(model: Any) -> list:
     import mlx.nn as nn
 
     owners = []
-    for block in decoder_layers(model):
+    for block in model.layers:
         todo = [block] if isinstance(block, nn.Module) else []
         for depth in range(3):
             nxt = []

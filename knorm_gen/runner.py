@@ -16,9 +16,10 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 from . import records as rec
 from .admission import KVLimit, KVMemoryExceeded
 from .config import EvictionConfig, GenerationConfig, ResolvedEviction, RowsConfig, make_configs, settings_dict
-from .engine import Outcome, Request, run_jobs
-from .generate import prompt_request, question_request, stream_request
-from .mlx_compat import full_attention_layers, kv_head_dims
+from .engine import Outcome, Request, run_alone, run_jobs
+from .generate import prompt_request, question_request
+from .mlx_compat import kv_head_dims
+from .support import model_support
 from .quant import check_head_dims
 from .prompts import PromptTooLongError
 from .rows import Row, RowError
@@ -48,10 +49,11 @@ class RowRunner:
         self.eviction, self.generation, self.batch_size = eviction, generation, batch_size
         self.rows = rows or RowsConfig()
         self.kv = KVLimit(model, kv_limit_bytes) if kv_limit_bytes is not None else None
-        self.full_layers = tuple(full_attention_layers(model))
+        self.support = model_support(model)
+        self.full_layers = self.support.full_layers
         self._settings: dict = {}
         self._head_dims: Optional[list[int]] = None  # read once, when a row first asks for kv_bits
-        self._fingerprints: dict[str, Optional[str]] = {}
+        self._fingerprints: dict[tuple[str, str], Optional[str]] = {}
         self.base = self.settings_for({})  # ValueError: the run's own settings do not fit the model
 
     # ---- settings and fingerprints ------------------------------------------------
@@ -60,7 +62,8 @@ class RowRunner:
         key = tuple(sorted(overrides.items()))
         if key not in self._settings:
             eviction, generation = make_configs(self.eviction, self.generation, **overrides)
-            resolved = eviction.resolved(len(self.model.layers), self.full_layers)
+            resolved = eviction.resolved(self.support.n_layers, self.full_layers)
+            self.support.check(resolved)
             if resolved.kv_bits:
                 if self._head_dims is None:
                     self._head_dims = kv_head_dims(self.model)
@@ -70,14 +73,15 @@ class RowRunner:
 
     def fingerprint(self, row: Row) -> Optional[str]:
         """The fingerprint a record of this row carries (None: its settings are invalid)."""
-        if row.key not in self._fingerprints:
+        key = (row.key, row.digest)  # a folder's file edited between the resume scan and its run: its new content
+        if key not in self._fingerprints:
             try:
                 config = self.settings_for(row.overrides).config
             except ValueError:
-                self._fingerprints[row.key] = None
+                self._fingerprints[key] = None
             else:
-                self._fingerprints[row.key] = rec.fingerprint(row.digest, config, self.model_spec)
-        return self._fingerprints[row.key]
+                self._fingerprints[key] = rec.fingerprint(row.digest, config, self.model_spec)
+        return self._fingerprints[key]
 
     # ---- records ----------------------------------------------------------------------
     def _record(self, row_id: Any, config: dict, meta: Optional[dict]) -> dict:
@@ -97,8 +101,8 @@ class RowRunner:
         if isinstance(e, ValueError):
             kind = (rec.PROMPT_TOO_LONG if isinstance(e, PromptTooLongError) else
                     rec.KV_MEMORY_EXCEEDED if isinstance(e, KVMemoryExceeded) else rec.INVALID_ROW)
-            return rec.failed(record, kind, str(e), row.line)
-        return rec.failed(record, rec.GENERATION_ERROR, f"{type(e).__name__}: {e}", row.line)
+            return rec.failed(record, kind, str(e), row.line, row.where)
+        return rec.failed(record, rec.GENERATION_ERROR, f"{type(e).__name__}: {e}", row.line, row.where)
 
     def result_record(self, row: Row, settings: RowSettings, results: list) -> dict:
         """The record of a row from its results (one per prompt, one per question)."""
@@ -164,13 +168,13 @@ class RowRunner:
 
     def _alone(self, request: Request) -> list:
         """A request's results with nothing else in flight: a prompt on mlx_lm's stream_generate
-        (as generate_with_eviction runs it), a context's questions as answer_questions does."""
-        if request.ids is None:
+        (as generate_with_eviction runs it), a context's questions as answer_questions does
+        (on a model whose rows cannot decode together, one after another)."""
+        if request.ids is None and model_support(self.model).batching is None:
             ((_, results),) = run_jobs(self.model, self.tokenizer, [request], batch_size=self.batch_size,
                                        seed=request.generation.seed)
             return results
-        *_, result = stream_request(self.model, self.tokenizer, request)
-        return [result]
+        return run_alone(self.model, self.tokenizer, request)
 
     def _requests(self, items, done: set, emit: Emit, stop: Callable[[], bool]) -> Iterator[Request]:
         """The rows that can run, as requests; the others become records at once, so

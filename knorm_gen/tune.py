@@ -39,7 +39,7 @@ from .layouts import CANDIDATES
 from .memory import cache_stats
 from .mlx_compat import full_attention_layers, record_attention
 from .prompts import as_tokenizer, context_spans, encode_with_spans, has_chat_template, split_question_prompts
-from .scores import ALL_EVICTABLE, pin_from
+from .spans import ALL_EVICTABLE, pin_from
 
 SUMMARY_QUESTION = "Summarize the text above in three sentences."
 KEY_QUESTION = "What is the pass key? Answer with the number only."

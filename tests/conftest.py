@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
-from knorm_gen.scores import BLEND_WEIGHT, LEVERAGE_REFRESH, LEVERAGE_RIDGE
+from knorm_gen.rules.keydiff import BLEND_WEIGHT
+from knorm_gen.rules.leverage import LEVERAGE_REFRESH, LEVERAGE_RIDGE
 
 
 def tiny_llama(layers: int = 3, seed: int = 0, layer_types=None, sliding_window=None, vocab: int = 97,
@@ -85,6 +86,9 @@ class RecordingModel:
     """A model that records every token block it is called with, then delegates."""
 
     def __init__(self, model):
+        from knorm_gen.support import model_support
+
+        model_support(model)  # the model check's own few tokens run now, not among the recorded calls
         self._model = model
         self.inputs = []
 
@@ -174,7 +178,7 @@ def kept_after(seen, span, budget, n_sink=4):
     return seen - evictable + min(evictable, budget - n_sink)
 
 
-# ---- numpy references of the anchored rules (test_scores.py, test_cache.py) ----------------
+# ---- numpy references of the anchored rules (test_rules.py, test_cache.py) ----------------
 
 
 def numpy_anchored_score(keep, keys, anchor):

@@ -20,6 +20,6 @@ def test_cache_tests_pass_with_the_bundled_blas():
                           capture_output=True, text=True, env=env, cwd=ROOT, check=True, timeout=120)
     assert json.loads(info.stdout)["blas"] is None  # really the other BLAS path
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cache.py",
-                           "tests/test_scores.py"],
+                           "tests/test_rules.py"],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

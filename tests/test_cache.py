@@ -13,7 +13,10 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, sav
 from knorm_gen import EvictionConfig, L2NormKVCache, cache_stats, make_eviction_cache
 from knorm_gen.cache import BatchL2NormKVCache
 from knorm_gen.mlx_compat import own_layer_masks
-from knorm_gen.scores import PAD, RUNNING
+from knorm_gen.rules import RULES
+from knorm_gen.selection import PAD
+
+RUNNING = {name for name, rule in RULES.items() if rule.needs == "running"}
 
 from .conftest import numpy_running_kept, random_tokens, tiny_llama
 
@@ -296,7 +299,7 @@ def test_save_load_round_trip_continues_identically(tmp_path, tiny_model, keep):
     assert [type(c).__name__ for c in loaded] == [type(c).__name__ for c in caches]
     for c, l in zip(caches, loaded):
         if keep != "low" and isinstance(c, L2NormKVCache):  # the running state travels with the cache
-            np.testing.assert_array_equal(np.array(l.key_sum), np.array(c.key_sum))
+            np.testing.assert_array_equal(np.array(l.state_of_rule), np.array(c.state_of_rule))
     for step in [4, 9, 1, 7]:
         x = mx.array([[step]])
         a, b = tiny_model(x, cache=caches), tiny_model(x, cache=loaded)
@@ -434,13 +437,14 @@ def test_the_default_bounds_every_layer_with_the_question_rule_and_the_blend_pai
     from knorm_gen.memory import kv_memory
 
     config = EvictionConfig(budget=8)
-    assert (config.keep, config.early_keep, config.coverage, config.skip_layers) == ("question_both_carry", "auto", 0.0, ())
+    assert (config.keep, config.question_score, config.carry, config.early_keep, config.coverage,
+            config.skip_layers) == ("question", "mean", 0.25, "auto", 0.0, ())
     model = tiny_llama(layers=10)
     caches = make_eviction_cache(model, config)
     # every layer the question rule, no coverage, a quarter of the budget recent: int(0.25 * 8)
-    assert all(isinstance(c, L2NormKVCache) and c.keep == "question_both_carry" and c.coverage == 0.0 and c.recent == 2
-               for c in caches)
-    # --preset intrinsic (0.6's default): 30% of 10 layers, counted by hand, take leverage, the other seven the blend
+    assert all(isinstance(c, L2NormKVCache) and c.keep == "question" and c.question_score == "mean"
+               and c.carry == 0.25 and c.coverage == 0.0 and c.recent == 2 for c in caches)
+    # --preset intrinsic: 30% of 10 layers, counted by hand, take leverage, the other seven the blend
     intrinsic = make_eviction_cache(model, EvictionConfig(budget=8, keep="blend", coverage=0.25))
     assert [c.keep for c in intrinsic] == ["leverage"] * 3 + ["blend"] * 7 and intrinsic[0].coverage == 0.25
     # another rule given: that rule everywhere ("auto" pairs leverage with the blend alone)
@@ -801,15 +805,15 @@ def test_running_state_survives_save_load_and_copy_of_a_batch(tmp_path, keep):
     save_prompt_cache(path, [batch])
     (loaded,) = load_prompt_cache(path)
     (clone,) = copy_caches([batch])
-    assert type(loaded) is BatchL2NormKVCache and loaded.key_sum.shape == batch.key_sum.shape
-    before = np.array(batch.key_sum)
+    assert type(loaded) is BatchL2NormKVCache and loaded.state_of_rule.shape == batch.state_of_rule.shape
+    before = np.array(batch.state_of_rule)
     batch_chunk(clone, rows, list(fed), [7, 2])
-    np.testing.assert_array_equal(np.array(batch.key_sum), before)
+    np.testing.assert_array_equal(np.array(batch.state_of_rule), before)
     for sizes in ([1, 1], [6, 3], [1, 1], [1, 1]):
         for c in (batch, loaded):
             batch_chunk(c, rows, list(fed), sizes)
         fed = [a + s for a, s in zip(fed, sizes)]
-        np.testing.assert_array_equal(np.array(loaded.key_sum), np.array(batch.key_sum))
+        np.testing.assert_array_equal(np.array(loaded.state_of_rule), np.array(batch.state_of_rule))
         for b in range(2):
             np.testing.assert_array_equal(kept_positions(loaded.extract(b)), kept_positions(batch.extract(b)))
 
@@ -821,7 +825,7 @@ def test_trim_takes_the_trimmed_keys_out_of_the_running_state(keep):
     feed_keys(trimmed, keys[:, :, :9], [6, 1, 1, 1])
     assert trimmed.trim(3) == 3
     feed_keys(fresh, keys[:, :, :6], [6])
-    np.testing.assert_allclose(np.array(trimmed.key_sum), np.array(fresh.key_sum), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.array(trimmed.state_of_rule), np.array(fresh.state_of_rule), rtol=1e-5, atol=1e-6)
     for c in (trimmed, fresh):
         feed_keys(c, keys[:, :, 6:], [14, 1, 1, 8])
     np.testing.assert_array_equal(kept_positions(trimmed), kept_positions(fresh))

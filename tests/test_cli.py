@@ -294,6 +294,8 @@ FIELD_VALUES = {
     "n_sink": ("2", 2, "n_sink", 2),
     "recent": ("5", 5, "recent", 5),
     "keep": ("high", "high", "keep", "high"),
+    "question_score": ("best", "best", "question_score", "best"),
+    "carry": ("0.5", 0.5, "carry", 0.5),
     "skip_layers": ("0,2", [0, 2], "skip_layers", [0, 2]),
     "layer_budgets": ("1:40", {"1": 40}, "layer_budgets", {"1": 40}),
     "early_factor": ("3", 3, "layer_budgets", {"0": 48, "1": 48}),
@@ -393,6 +395,6 @@ def test_a_preset_sets_the_layout_and_explicit_options_override_it(tmp_path, tin
     assert (record["config"]["keep"], record["config"]["skip_layers"]) == ("low", [0, 1])
     job.write_text('[eviction]\npreset = "fast"\n')
     result = invoke(inp, "--job", job)
-    assert result.exit_code == 2 and "preset must be one of paper, retrieval, summarize, question, intrinsic, auto; got 'fast'" in result.stderr
+    assert result.exit_code == 2 and "preset must be one of default, paper, retrieval, summarize, question, intrinsic, auto; got 'fast'" in result.stderr
     result = invoke(inp, "--preset", "fast")
     assert result.exit_code == 2 and "'fast' is not one of" in result.stderr

@@ -244,7 +244,7 @@ def test_a_resume_refusal_names_the_settings_that_differ(tmp_path, tiny):
     result = invoke(inp, "-o", out, *tiny, "--budget", "8", "--keep", "low", "-q")
     assert result.exit_code == 2
     assert "3 finished record(s) were made from another row or other settings" in result.stderr
-    assert "settings that differ: budget: 16 -> 8" in result.stderr and "keep: question_both_carry -> low" in result.stderr
+    assert "settings that differ: budget: 16 -> 8" in result.stderr and "keep: question -> low" in result.stderr
     write_rows(inp, [{**rows[0], "prompt": "Another row."}, *rows[1:]])
     result = invoke(inp, "-o", out, *tiny, "-q")
     assert result.exit_code == 2 and "settings that differ" not in result.stderr

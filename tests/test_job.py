@@ -116,7 +116,8 @@ def test_records_match_hand_built_records_and_share_one_shape(tmp_path, mt):
     assert p["meta"] == {"source": "test"} and p["model"] == MODEL["spec"] and p["error"] is None
     # the default bounds every layer with the question rule, a quarter of the budget recent, no coverage
     assert p["config"]["budget"] == 16 and p["config"]["max_tokens"] == 2 and p["config"]["skip_layers"] == []
-    assert (p["config"]["keep"], p["config"]["recent"]) == ("question_both_carry", 4) and "coverage" not in p["config"]  # 16 / 4
+    assert (p["config"]["keep"], p["config"]["question_score"], p["config"]["carry"], p["config"]["recent"]) == \
+        ("question", "mean", 0.25, 4) and "coverage" not in p["config"]  # 16 / 4
     # "Say hi." is shorter than the budget: nothing is evicted, so mlx_lm's own generation is the reference
     ids = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True)
     assert m["tokens_kept"] == m["tokens_seen"] == len(ids) + m["generated_tokens"]

@@ -13,7 +13,7 @@ from knorm_gen.cache import BatchEvictionKVCache, EvictionKVCache, make_eviction
 from knorm_gen.engine import prefill
 from knorm_gen.prompts import context_spans, encode_with_spans, split_question_prompts
 from knorm_gen.results import GenerationResult
-from knorm_gen.scores import ALL_EVICTABLE, NO_END
+from knorm_gen.spans import ALL_EVICTABLE, NO_END
 
 from .test_cache import distinct_norm_keys, feed_keys
 
@@ -118,7 +118,7 @@ def test_coverage_validation_names_the_field(bad):
 
 
 def test_coverage_always_leaves_the_rule_a_slot():
-    from knorm_gen.scores import cover_slots
+    from knorm_gen.selection import cover_slots
 
     assert cover_slots(512, 0.25, 68) == 128
     assert cover_slots(16, 0.9, 6) == 9  # 16 - (4 sinks + 2 recent) - 1

@@ -77,7 +77,7 @@ def test_anchored_rules_rescore_the_dequantized_keys():
     feed_blocks(full, keys, keys, [30, 20, 20])
     feed_blocks(quant, keys, keys, [30, 20, 20])
     # the anchor is the sum of the full-precision unit keys of every token seen
-    np.testing.assert_allclose(np.array(quant.key_sum), np.array(full.key_sum), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(quant.state_of_rule), np.array(full.state_of_rule), rtol=1e-5, atol=1e-5)
     same = np.mean([len(set(a) & set(b)) / len(a) for a, b in zip(positions(quant)[0], positions(full)[0])])
     assert same >= 0.85, f"8-bit re-scoring kept only {same:.0%} of the full-precision kept set"
 

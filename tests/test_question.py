@@ -1,4 +1,4 @@
-"""knorm_gen.question: the probe pass, sentence pieces and question scores, each
+"""knorm_gen.rules.question: the probe pass, sentence pieces and question scores, each
 against an independent reference (float64 numpy loops; mlx_lm's own KVCache)."""
 
 import mlx.core as mx
@@ -7,12 +7,14 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from knorm_gen.mlx_compat import record_attention
-from knorm_gen.question import DETREND, LOCAL, probe_queries, question_scores, repeated_pieces, segment_ids
+from knorm_gen.rules.question import (BEST_REACH, PROBE_DRAFT, PROBE_SINK, Probe, ProbeBatch, Question,
+                                      probe_queries, question_scores, repeated_pieces, segment_ids)
+from knorm_gen.spans import ALL_EVICTABLE
 
 from .conftest import greedy_with_gaps, tiny_llama
 
 
-def reference_scores(keys, queries, segments, local, detrend=DETREND):
+def reference_scores(keys, queries, segments, local):
     k, q = np.asarray(keys, np.float64), np.asarray(queries, np.float64)
     b, h, n, _ = k.shape
     s = np.empty((b, h, n))
@@ -20,13 +22,6 @@ def reference_scores(keys, queries, segments, local, detrend=DETREND):
         for j in range(h):
             for i in range(n):
                 s[r, j, i] = max(float(k[r, j, i] @ qq) for qq in q[r, j])
-    if detrend:  # each (row, head): the least-squares line over the positions taken out
-        for r in range(b):
-            for j in range(h):
-                if n > 1:
-                    s[r, j] -= np.polyval(np.polyfit(np.arange(n, dtype=np.float64), s[r, j], 1), np.arange(n))
-                else:
-                    s[r, j] -= s[r, j].mean()
     if local:
         m = s.copy()
         for i in range(n):
@@ -43,9 +38,8 @@ def reference_scores(keys, queries, segments, local, detrend=DETREND):
     return out
 
 
-@pytest.mark.parametrize("detrend", [False, True])
 @pytest.mark.parametrize("local", [0, 3])
-def test_question_scores_match_a_float64_reference(local, detrend):
+def test_question_scores_match_a_float64_reference(local):
     rng = np.random.default_rng(1)
     keys = rng.normal(size=(2, 3, 20, 8)).astype(np.float32)
     queries = rng.normal(size=(2, 3, 5, 8)).astype(np.float32)
@@ -53,12 +47,11 @@ def test_question_scores_match_a_float64_reference(local, detrend):
     # row 0: pieces of 1 to 7 tokens; row 1 starts mid-prompt (piece numbers offset), one long piece
     segments = [[0, 0, 0, 1, 2, 2, 2, 2, 2, 2, 2, 3, 3, 4, 4, 4, 4, 4, 4, 5],
                 [40, 40, 41, 41, 41, 41, 41, 41, 41, 41, 41, 41, 41, 41, 41, 41, 41, 42, 42, 42]]
-    want = reference_scores(keys, queries, segments, local, detrend)
-    got = np.array(question_scores(mx.array(keys), mx.array(queries), mx.array(segments), local=local,
-                                   detrend=detrend))
+    want = reference_scores(keys, queries, segments, local)
+    got = np.array(question_scores(mx.array(keys), mx.array(queries), mx.array(segments), local=local))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    alone = np.array(question_scores(mx.array(keys), mx.array(queries), None, local=local, detrend=detrend))
-    np.testing.assert_allclose(alone, reference_scores(keys, queries, None, local, detrend), rtol=1e-4, atol=1e-4)
+    alone = np.array(question_scores(mx.array(keys), mx.array(queries), None, local=local))
+    np.testing.assert_allclose(alone, reference_scores(keys, queries, None, local), rtol=1e-4, atol=1e-4)
     # a piece shares one score: its tokens tie, so the position breaks the tie
     assert np.all(got[0, :, 4:11] == got[0, :, 4:5])
 
@@ -77,7 +70,7 @@ def test_per_query_scores_take_each_querys_own_local_mean_first():
     got = np.array(question_scores(mx.array(keys), mx.array(queries), None, local=3, per_query=True))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     # not the same as the best query's score less its local mean (what per_query=False does)
-    assert not np.allclose(got, reference_scores(keys, queries, None, 3, False), atol=1e-3)
+    assert not np.allclose(got, reference_scores(keys, queries, None, 3), atol=1e-3)
 
 
 class _Tok:
@@ -110,25 +103,25 @@ def test_repeated_pieces_mark_later_copies_of_pieces_long_enough():
 
 
 def test_a_repeated_piece_ranks_after_every_piece_that_is_not():
-    from knorm_gen.scores import score_question
-
     rng = np.random.default_rng(3)
     keys = rng.normal(size=(1, 2, 12, 8)).astype(np.float32)
     queries = rng.normal(size=(1, 2, 3, 8)).astype(np.float32)
     queries /= np.linalg.norm(queries, axis=-1, keepdims=True)
     segments = [[0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]]
     repeated = np.array([[False, False, False, True, True, True, False, False, False, True, True, True]])
-    plain = reference_scores(keys, queries, segments, LOCAL)[0]  # (H, N), higher kept first
+    plain = reference_scores(keys, queries, segments, BEST_REACH)[0]  # (H, N), higher kept first
     positions = mx.arange(12)[None, None, :]
-    got = -np.array(score_question(mx.array(keys), positions,
-                                   (mx.array(queries), mx.array(segments), mx.array(repeated))))[0]
+    best = Question("best")
+    probe = ProbeBatch.stack([Probe(mx.array(queries), mx.array(segments), mx.array(repeated))])
+    got = -np.array(best.score(mx.array(keys), positions, probe))[0]
     for h in range(2):
         assert got[h, ~repeated[0]].min() > got[h, repeated[0]].max()
         # within each group the order is the plain score's
         for group in (~repeated[0], repeated[0]):
             assert np.argsort(got[h, group], kind="stable").tolist() == np.argsort(plain[h, group], kind="stable").tolist()
-    # a probe made by hand without the flags scores as before
-    alone = -np.array(score_question(mx.array(keys), positions, (mx.array(queries), mx.array(segments))))[0]
+    # nothing repeated: the plain scores
+    none = ProbeBatch.stack([Probe(mx.array(queries), mx.array(segments), mx.zeros((1, 12), dtype=mx.bool_))])
+    alone = -np.array(best.score(mx.array(keys), positions, none))[0]
     np.testing.assert_allclose(alone, plain, rtol=1e-4, atol=1e-4)
 
 
@@ -217,10 +210,10 @@ def test_a_compressed_context_keeps_the_numpy_ranking_of_its_probe(tiny_loaded):
     from knorm_gen.config import PRESETS, EvictionConfig
     from knorm_gen.engine import BatchEngine
     from knorm_gen.generate import question_request
-    from knorm_gen.question import LOCAL, make_probe
+    from knorm_gen.rules.question import make_probe
     from knorm_gen.config import GenerationConfig
 
-    from .test_scores import assert_best_up_to_near_ties
+    from .test_rules import assert_best_up_to_near_ties
 
     model, tok = tiny_loaded
     fields = {k: v for k, v in PRESETS["question"].items()}
@@ -230,7 +223,7 @@ def test_a_compressed_context_keeps_the_numpy_ranking_of_its_probe(tiny_loaded):
     engine = BatchEngine(model, tok, eviction)
     caches, _ = engine.prefill_context(ids, request.spans, request.question_ids)
     probe = make_probe(model, tok, ids, request.spans, request.question_ids)
-    pieces = [int(x) for x in np.array(probe[0][1])[0]]
+    pieces = [int(x) for x in np.array(probe[0].pieces)[0]]
     # independent pieces: split the decoded tokens at sentence ends and line breaks (16 at most)
     want_pieces, piece, run = [], 0, 0
     for t in ids:
@@ -245,7 +238,7 @@ def test_a_compressed_context_keeps_the_numpy_ranking_of_its_probe(tiny_loaded):
         set(range(end, len(ids)))
     for layer, (c, k) in enumerate(zip(caches, keys)):
         assert c.keep == "question" and c.probe is not None
-        scores = -reference_scores(k, np.array(probe[layer][0]), [pieces], LOCAL)
+        scores = -reference_scores(k, np.array(probe[layer].queries), [pieces], BEST_REACH)
         got = np.array(c.ordered_state()[2])[0]
         for h in range(got.shape[0]):
             scored = {p: float(scores[0, h, p]) for p in range(len(ids))}
@@ -258,7 +251,7 @@ def _greedy_alone(model, tok, prompt, max_tokens):
     from knorm_gen.cache import make_eviction_cache, set_probe
     from knorm_gen.config import PRESETS, EvictionConfig
     from knorm_gen.prompts import encode_with_spans
-    from knorm_gen.question import make_probe
+    from knorm_gen.rules.question import make_probe
 
     ids, spans = encode_with_spans(tok, prompt, None, None)
     config = EvictionConfig(budget=BUDGET, **PRESETS["question"])
@@ -299,21 +292,22 @@ def test_question_rule_through_the_python_calls(tiny_loaded):
 
 def test_a_prompt_without_questions_is_probed_by_its_end(tiny_loaded):
     from knorm_gen import generate_with_eviction
-    from knorm_gen.question import PROMPT_TAIL, make_probe
-    from knorm_gen.scores import ALL_EVICTABLE
+    from knorm_gen.rules.question import PROMPT_TAIL, make_probe
 
     model, tok = tiny_loaded
     ids = tok.encode(CONTEXT + " " + QUESTION, add_special_tokens=False)
-    # completion style: the whole prompt is evictable; the probe runs its last PROMPT_TAIL tokens and the
-    # draft, exactly as if those tokens were instructions after a document that ends before them
-    probe = make_probe(model, tok, ids, ALL_EVICTABLE, draft=3)
-    assert probe[0][0].shape == (1, 2, 2 * (PROMPT_TAIL + 3), 16) and probe[0][1].shape == (1, len(ids))
+    # completion style: the whole prompt is evictable; the probe runs its first PROBE_SINK tokens, then its last
+    # PROMPT_TAIL tokens and the draft, exactly as if those tokens were instructions after a document that ends
+    # before them (the tail holds no blank line)
+    probe = make_probe(model, tok, ids, ALL_EVICTABLE)
+    assert probe[0].queries.shape == (1, 2, 2 * (PROMPT_TAIL + PROBE_DRAFT), 16)
+    assert probe[0].pieces.shape == (1, len(ids))
     cut = len(ids) - PROMPT_TAIL
-    as_instructions = make_probe(model, tok, ids, [(0, cut)], [], draft=3, tail=0)
-    with_document = _recorded_queries(model, [ids[:cut], ids[cut:]], draft=3)
-    for (q, *_), (r, *_), w in zip(probe, as_instructions, with_document):
-        np.testing.assert_array_equal(np.array(q), np.array(r))
-        assert not np.allclose(np.array(q), w, atol=1e-3)  # the document before the tail is never run
+    as_instructions = probe_queries(model, ids, PROBE_SINK, cut)
+    with_document = _recorded_queries(model, [ids[:cut], ids[cut:]], draft=PROBE_DRAFT)
+    for p, r, w in zip(probe, as_instructions, with_document):
+        np.testing.assert_array_equal(np.array(p.queries), np.array(r))
+        assert not np.allclose(np.array(p.queries), w, atol=1e-3)  # the document before the tail is never run
     r = generate_with_eviction(model, tok, CONTEXT + " " + QUESTION, preset="question", budget=BUDGET,
                                max_tokens=2, chat=False)
     assert r.config["keep"] == "question" and r.tokens_kept < r.tokens_seen
@@ -324,20 +318,19 @@ def test_a_prompt_without_questions_is_probed_by_its_end(tiny_loaded):
 def test_a_prompt_is_probed_by_the_last_paragraph_of_its_end(tiny_loaded):
     # a question written after a blank line: the probe runs that paragraph alone, exactly as if the
     # text before it were the document (the position found here from the decoded text, not by the code)
-    from knorm_gen.question import PROMPT_TAIL, make_probe
-    from knorm_gen.scores import ALL_EVICTABLE
+    from knorm_gen.rules.question import PROMPT_TAIL, make_probe
 
     model, tok = tiny_loaded
     ids = tok.encode(CONTEXT + "\n\n" + QUESTION, add_special_tokens=False)
     assert len(ids) > PROMPT_TAIL  # the tail is the prompt's last PROMPT_TAIL tokens
     cut = next(i for i in range(len(ids)) if tok.decode(ids[:i]).endswith("\n\n"))
     assert tok.decode(ids[cut:]) == QUESTION and len(ids) - cut < PROMPT_TAIL
-    probe = make_probe(model, tok, ids, ALL_EVICTABLE, draft=3)
-    as_instructions = make_probe(model, tok, ids, [(0, cut)], [], draft=3, tail=0)
-    whole_tail = make_probe(model, tok, ids, ALL_EVICTABLE, draft=3, paragraph=False)
-    for (q, *_), (r, *_), (w, *_) in zip(probe, as_instructions, whole_tail):
-        np.testing.assert_array_equal(np.array(q), np.array(r))
-        assert q.shape[2] < w.shape[2]
+    probe = make_probe(model, tok, ids, ALL_EVICTABLE)
+    as_instructions = probe_queries(model, ids, PROBE_SINK, cut)
+    whole_tail = probe_queries(model, ids, PROBE_SINK, len(ids) - PROMPT_TAIL)
+    for p, r, w in zip(probe, as_instructions, whole_tail):
+        np.testing.assert_array_equal(np.array(p.queries), np.array(r))
+        assert p.queries.shape[2] < w.shape[2]
 
 
 @pytest.mark.parametrize("pieces, want", [
@@ -348,7 +341,7 @@ def test_a_prompt_is_probed_by_the_last_paragraph_of_its_end(tiny_loaded):
     (["Some", " text", ".", "\n\n"], 0),                   # nothing after the blank line
 ])
 def test_last_paragraph_starts_after_the_last_blank_line(pieces, want):
-    from knorm_gen.question import last_paragraph
+    from knorm_gen.rules.question import last_paragraph
 
     class Pieces:  # a tokenizer whose token i decodes to pieces[i]
         def decode(self, ids):
@@ -395,35 +388,33 @@ def test_a_cache_without_its_probe_keeps_the_lowest_norms_and_says_so():
     assert pinned.tokens_kept == 30
     batch = BatchEvictionKVCache(40, 2, 2, "question", batch_size=1, spans=[()])
     batch.update_and_fetch(keys, keys)
-    # a batch cache holds no probe: its bytes are its buffers, ranks and nothing else
+    # a batch cache given no probe: its bytes are its buffers, ranks and nothing else
     assert batch.nbytes == 2 * batch.keys.nbytes + batch.rank.nbytes
 
 
-def test_pinned_question_caches_decode_without_a_probe_or_a_warning(monkeypatch):
+def test_pinned_question_caches_decode_without_a_probe_or_a_warning():
     # Once a cache pins everything it is fed (every answer of answer_questions), its probe
-    # is gone and no score is needed: neither the fallback nor its warning may run.
-    import knorm_gen.scores
+    # is gone and no score is needed: the fallback's warning (an error in this suite) never runs.
     from knorm_gen.cache import BatchEvictionKVCache, EvictionKVCache
 
     keys = mx.array(np.random.default_rng(1).normal(size=(1, 2, 30, 8)).astype(np.float32))
-    checked = []
-    real = knorm_gen.scores.SCORES["low"]
-    monkeypatch.setitem(knorm_gen.scores.SCORES, "low", lambda *a: checked.append(1) or real(*a))
     single = EvictionKVCache(12, 2, 2, "question", spans=((4, 20),))
-    single.probe = (mx.ones((1, 2, 3, 8)), mx.zeros((1, 30), dtype=mx.int32))
+    single.set_probe([Probe(mx.ones((1, 2, 3, 8)), mx.zeros((1, 30), dtype=mx.int32),
+                            mx.zeros((1, 30), dtype=mx.bool_))])
     single.update_and_fetch(keys, keys)
     single.pin()
+    assert single.probe is None
     batch = BatchEvictionKVCache(12, 2, 2, "question", batch_size=2, spans=[(), ()])
     batch.update_and_fetch(mx.concatenate([keys[:, :, :20]] * 2), mx.concatenate([keys[:, :, :20]] * 2))
     for t in range(5):
         single.update_and_fetch(keys[:, :, t : t + 1], keys[:, :, t : t + 1])
         batch.update_and_fetch(mx.concatenate([keys[:, :, t : t + 1]] * 2), mx.concatenate([keys[:, :, t : t + 1]] * 2))
-    assert checked == [] and single.tokens_kept == 12 + 12 + 5  # the budget, positions 2-3 and 20-29, the answer
+    assert single.tokens_kept == 12 + 12 + 5  # the budget, positions 2-3 and 20-29, the answer
+    assert batch.counts == [25, 25]
     # a cache that may still evict falls back to the key norm, and says so
     open_row = BatchEvictionKVCache(12, 2, 2, "question", batch_size=1)
     with pytest.warns(UserWarning, match="probe_caches"):
         open_row.update_and_fetch(keys, keys)
-    assert checked == [1]
 
 
 def test_a_one_token_prompt_under_the_question_rule_decodes_past_its_budget(tiny_loaded):
@@ -455,11 +446,11 @@ def test_the_default_is_probed_on_every_product_path_and_by_probe_caches(tiny_lo
     from knorm_gen.cache import EvictionKVCache
 
     model, tok = tiny_loaded
-    assert EvictionConfig().keep == "question_both_carry"
+    assert (EvictionConfig().keep, EvictionConfig().question_score, EvictionConfig().carry) == ("question", "mean", 0.25)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         r = generate_with_eviction(model, tok, CONTEXT + "\n\n" + QUESTION, budget=16, max_tokens=3)
-        assert r.config["keep"] == "question_both_carry" and r.tokens_kept < r.tokens_seen
+        assert r.config["keep"] == "question" and r.config["question_score"] == "mean" and r.tokens_kept < r.tokens_seen
         (a,) = answer_questions(model, tok, CONTEXT, [QUESTION], budget=16, max_tokens=3)
         assert a.tokens_kept < a.tokens_seen
         rows = generate_batch_with_eviction(model, tok, [CONTEXT, CONTEXT + " " + QUESTION], budget=16,

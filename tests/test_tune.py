@@ -408,8 +408,8 @@ def test_perplexity_measures_a_question_arm_probed_by_the_end_of_its_text(tiny_m
     # generate_with_eviction probes a prompt without questions; reference: a hand-probed
     # cache, then the tail through the model in one pass, scored in numpy.
     from knorm_gen.cache import make_eviction_cache, set_probe
-    from knorm_gen.question import make_probe
-    from knorm_gen.scores import ALL_EVICTABLE
+    from knorm_gen.rules.question import make_probe
+    from knorm_gen.spans import ALL_EVICTABLE
     from knorm_gen.tune import Doc, Tuner
 
     model, tok = load_model(str(tiny_model_dir))
@@ -437,7 +437,7 @@ def test_prompt_mode_runs_a_whole_prompt_as_generate_with_eviction_does(tiny_mod
     # rendering of the user's text; the template around it is pinned (the user's text is the one
     # evictable span), and under a probed rule the last token too, as the product's Request pins it.
     import knorm_gen.tune
-    from knorm_gen.scores import ALL_EVICTABLE
+    from knorm_gen.spans import ALL_EVICTABLE
     from knorm_gen.tune import KEY_QUESTION, Tuner, product_prompt
 
     model, tok = load_model(str(tiny_model_dir))
