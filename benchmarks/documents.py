@@ -66,6 +66,14 @@ READMES = {
     "parse": ("1.22.4", "MIT", "Changelog"),
     "structlog": ("26.1.0", "MIT OR Apache-2.0", None),
     "pathspec": ("1.1.1", "MPL-2.0", "Change History"),
+    "tabulate": ("0.10.0", "MIT", None),
+    "loguru": ("0.7.3", "MIT", None),
+    "natsort": ("8.4.0", "MIT", None),
+    "xmltodict": ("1.0.4", "MIT", None),
+    "prettytable": ("3.19.0", "BSD-3-Clause", None),
+    "docopt": ("0.6.2", "MIT", None),
+    "wcwidth": ("0.9.5", "MIT", None),
+    "python-dateutil": ("4.0.0", "Apache-2.0 AND BSD-3-Clause", None),
 }
 CPYTHON_FILES = {"cpython:LICENSE.txt": "LICENSE.txt", "cpython:email-architecture": "email/architecture.rst"}
 
@@ -77,6 +85,8 @@ ORDER = (
     "readme:sortedcontainers", "pydoc:customization", "readme:python-slugify", "pydoc:typesmapping",
     "readme:parse", "pydoc:assignment", "cpython:email-architecture", "pydoc:comparisons", "readme:structlog",
     "pydoc:execmodel", "readme:pathspec", "pydoc:import", "pydoc:strings", "pydoc:types",
+    "readme:tabulate", "readme:loguru", "readme:natsort", "readme:xmltodict", "readme:prettytable", "readme:docopt",
+    "readme:wcwidth", "readme:python-dateutil",
 )
 
 

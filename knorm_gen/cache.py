@@ -38,7 +38,7 @@ from .quant import Stored
 from .rules import Rule, make_rule
 from .rules.question import REPEAT_PENALTY, Probe, ProbeBatch, make_probe
 from .selection import (PAD, PROTECTED, block_ranks, capacity, carry_slots, carry_tier, carry_values, cover_slots,
-                        evict_key, rank_positions, rescore)
+                        evict_key, rank_positions, rescore, spread_tier)
 from .spans import (ALL_EVICTABLE, Spans, check_spans, evictable_from, open_ended, pin_from, pinned_count,
                     span_array)
 
@@ -69,14 +69,14 @@ class BatchEvictionKVCache(_BaseCache):
                  keep: str = "low", coverage: float = 0.0, batch_size: int = 0,
                  spans: Optional[Sequence[Spans]] = None, kv_bits: Optional[int] = None,
                  kv_group_size: int = EvictionConfig.kv_group_size, *, question_score: str = "mean",
-                 carry: float = 0.0, budgets: Optional[Sequence[int]] = None,
+                 carry: float = 0.0, spread: float = 0.0, salt: int = 0, budgets: Optional[Sequence[int]] = None,
                  recents: Optional[Sequence[int]] = None):
         rows = batch_size if spans is None else len(spans)
         budgets = [budget] * rows if budgets is None else [int(b) for b in budgets]
         recents = [recent] * rows if recents is None else [int(r) for r in recents]
         for b, r in zip(budgets, recents):
             validate_eviction_args(b, n_sink, r, keep, coverage)
-        self._settings_from(n_sink, keep, coverage, kv_bits, kv_group_size, question_score, carry)
+        self._settings_from(n_sink, keep, coverage, kv_bits, kv_group_size, question_score, carry, spread, salt)
         self.budgets, self.recents = budgets, recents
         self.spans = [ALL_EVICTABLE] * rows if spans is None else [check_spans(s) for s in spans]
         self.counts, self.seen, self.holes = [0] * rows, [0] * rows, [False] * rows
@@ -84,9 +84,11 @@ class BatchEvictionKVCache(_BaseCache):
         self.tokens: list = [object() for _ in range(rows)]  # each row's identity while it is held
         self._empty_state()
 
-    def _settings_from(self, n_sink, keep, coverage, kv_bits, kv_group_size, question_score, carry) -> None:
+    def _settings_from(self, n_sink, keep, coverage, kv_bits, kv_group_size, question_score, carry,
+                       spread=0.0, salt=0) -> None:
         self.n_sink, self.keep, self.coverage = int(n_sink), keep, float(coverage)
         self.question_score, self.carry = question_score, float(carry)
+        self.spread, self.salt = float(spread), int(salt)  # salt: the layer, so each layer draws its own
         self.rule: Rule = make_rule(keep, question_score=question_score)
         quant.check_kv_quantization(kv_bits, kv_group_size)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
@@ -176,8 +178,8 @@ class BatchEvictionKVCache(_BaseCache):
     def extend(self, other: "BatchEvictionKVCache") -> None:
         """Append the rows of ``other`` (the same settings; budgets may differ) after this cache's rows."""
         if not isinstance(other, BatchEvictionKVCache) or _settings(other) != _settings(self):
-            raise ValueError("can only extend with an eviction cache of the same rule, n_sink, coverage, carry and "
-                             "kv_bits/kv_group_size")
+            raise ValueError("can only extend with an eviction cache of the same layer, rule, n_sink, coverage, carry, "
+                             "spread and kv_bits/kv_group_size")
         self._compact()
         other._compact()
         if other.keys is not None or self.keys is not None:
@@ -219,8 +221,7 @@ class BatchEvictionKVCache(_BaseCache):
         """Row ``idx`` as a single-row :class:`EvictionKVCache`."""
         self._compact()
         single = EvictionKVCache.__new__(EvictionKVCache)
-        single._settings_from(self.n_sink, self.keep, self.coverage, self.kv_bits, self.kv_group_size,
-                              self.question_score, self.carry)
+        single._settings_from(*self._settings_args())
         for name in _ROW_LISTS:
             setattr(single, name, [getattr(self, name)[idx]])
         single.holes = [False]
@@ -246,8 +247,7 @@ class BatchEvictionKVCache(_BaseCache):
         the same rule and settings; their budgets may differ)."""
         first = caches[0]
         out = BatchEvictionKVCache.__new__(BatchEvictionKVCache)  # also when called on the single-row class
-        out._settings_from(first.n_sink, first.keep, first.coverage, first.kv_bits, first.kv_group_size,
-                           first.question_score, first.carry)
+        out._settings_from(*first._settings_args())
         for name in _ROW_LISTS:
             setattr(out, name, [])
         out._empty_state()
@@ -255,11 +255,16 @@ class BatchEvictionKVCache(_BaseCache):
             out.extend(c)
         return out
 
+    def _settings_args(self) -> tuple:
+        return (self.n_sink, self.keep, self.coverage, self.kv_bits, self.kv_group_size, self.question_score,
+                self.carry, self.spread, self.salt)
+
     # ---- state -------------------------------------------------------------------
     @property
     def state(self):
         meta = {"n_sink": self.n_sink, "keep": self.keep, "question_score": self.question_score,
-                "carry": self.carry, "coverage": self.coverage, "kv_bits": self.kv_bits,
+                "carry": self.carry, "spread": self.spread, "salt": self.salt, "coverage": self.coverage,
+                "kv_bits": self.kv_bits,
                 "kv_group_size": self.kv_group_size, "budgets": self.budgets, "recents": self.recents,
                 "counts": self.counts, "seen": self.seen, "holes": self.holes, "spans": self.spans}
         return self.keys, self.values, self.rank, self.free, self.state_of_rule, json.dumps(meta)
@@ -273,7 +278,8 @@ class BatchEvictionKVCache(_BaseCache):
         meta = json.loads(meta)
         keep, score, carry = legacy_rule(meta["keep"], meta.get("question_score"), meta.get("carry"))
         self._settings_from(meta["n_sink"], keep, meta["coverage"], meta.get("kv_bits"),
-                            meta.get("kv_group_size", EvictionConfig.kv_group_size), score, carry)
+                            meta.get("kv_group_size", EvictionConfig.kv_group_size), score, carry,
+                            meta.get("spread", 0.0), meta.get("salt", 0))
         rows = len(meta["counts"])
         self.budgets = list(meta.get("budgets") or [meta["budget"]] * rows)
         self.recents = list(meta.get("recents") or [meta["recent"]] * rows)
@@ -373,6 +379,10 @@ class BatchEvictionKVCache(_BaseCache):
             slots = [carry_slots(b, self.carry, self.n_sink + r + c)
                      for b, r, c in zip(self.budgets, self.recents, covers)]
             key = carry_tier(key, carry, slots)
+        if self.spread:  # then a random choice of each head's own
+            slots = [carry_slots(b, self.spread, self.n_sink + r + c)
+                     for b, r, c in zip(self.budgets, self.recents, covers)]
+            key = spread_tier(key, slots, self.salt)
         return key
 
     def _span_array(self) -> Optional[mx.array]:
@@ -623,9 +633,10 @@ class EvictionKVCache(BatchEvictionKVCache):
     def __init__(self, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
                  keep: str = "low", coverage: float = 0.0, spans: Spans = ALL_EVICTABLE,
                  kv_bits: Optional[int] = None, kv_group_size: int = EvictionConfig.kv_group_size, *,
-                 question_score: str = "mean", carry: float = 0.0):
+                 question_score: str = "mean", carry: float = 0.0, spread: float = 0.0, salt: int = 0):
         super().__init__(budget, n_sink, recent, keep, coverage, spans=[spans], kv_bits=kv_bits,
-                         kv_group_size=kv_group_size, question_score=question_score, carry=carry)
+                         kv_group_size=kv_group_size, question_score=question_score, carry=carry, spread=spread,
+                         salt=salt)
 
     def _sync_offset(self) -> None:
         pass  # offset is a property of the one row
@@ -670,7 +681,7 @@ class EvictionKVCache(BatchEvictionKVCache):
         # Slot 10 was ``pinned`` (0/1) before spans existed: kept so older saved caches load.
         return (self.keys, self.values, self.rank, self.free, self.count, self.offset, self.budget, self.n_sink,
                 self.recent, self.keep, 0, self.state_of_rule, json.dumps(self.row_spans), self.coverage,
-                self.kv_bits or 0, self.kv_group_size, self.question_score, self.carry)
+                self.kv_bits or 0, self.kv_group_size, self.question_score, self.carry, self.spread, self.salt)
 
     @state.setter
     def state(self, v):
@@ -678,7 +689,8 @@ class EvictionKVCache(BatchEvictionKVCache):
         bits = (int(v[14]) or None) if len(v) > 14 else None
         group = int(v[15]) if len(v) > 15 else EvictionConfig.kv_group_size
         keep, score, carry = legacy_rule(keep, v[16] if len(v) > 16 else None, v[17] if len(v) > 17 else None)
-        self._settings_from(n_sink, keep, float(v[13]) if len(v) > 13 else 0.0, bits, group, score, carry)
+        self._settings_from(n_sink, keep, float(v[13]) if len(v) > 13 else 0.0, bits, group, score, carry,
+                            float(v[18]) if len(v) > 18 else 0.0, int(v[19]) if len(v) > 19 else 0)
         self.budgets, self.recents = [int(budget)], [int(recent)]
         self.counts, self.seen = [int(count)], [int(offset)]
         self.holes, self.probes, self.tokens = [free is not None], [None], [object()]
@@ -696,14 +708,15 @@ class EvictionKVCache(BatchEvictionKVCache):
     def meta_state(self) -> tuple[str, ...]:
         return tuple(str(x) for x in (self.count, self.offset, self.budget, self.n_sink, self.recent, self.keep,
                                       json.dumps(self.row_spans), self.coverage, self.kv_bits or 0,
-                                      self.kv_group_size, self.question_score, self.carry))
+                                      self.kv_group_size, self.question_score, self.carry, self.spread, self.salt))
 
     @meta_state.setter
     def meta_state(self, v: Sequence[str]) -> None:
         count, offset, budget, n_sink, recent, keep, spans, coverage = v[:8]
         bits, group = ((int(v[8]) or None), int(v[9])) if len(v) > 9 else (self.kv_bits, self.kv_group_size)
         keep, score, carry = legacy_rule(keep, v[10] if len(v) > 10 else None, v[11] if len(v) > 11 else None)
-        self._settings_from(int(n_sink), keep, float(coverage), bits, group, score, carry)
+        self._settings_from(int(n_sink), keep, float(coverage), bits, group, score, carry,
+                            float(v[12]) if len(v) > 12 else 0.0, int(v[13]) if len(v) > 13 else 0)
         self.counts, self.seen, self.budgets, self.recents = [int(count)], [int(offset)], [int(budget)], [int(recent)]
         self.spans = [check_spans(json.loads(spans))]
 
@@ -804,7 +817,7 @@ class EvictionKVCache(BatchEvictionKVCache):
 
 
 def _settings(c: BatchEvictionKVCache) -> tuple:
-    return (c.n_sink, c.keep, c.rule, c.coverage, c.carry, c.kv_bits, c.kv_group_size)
+    return (c.n_sink, c.keep, c.rule, c.coverage, c.carry, c.spread, c.salt, c.kv_bits, c.kv_group_size)
 
 
 def _pad_board(board: Optional[mx.array], rows: int, width: int) -> mx.array:
@@ -862,7 +875,8 @@ def make_eviction_cache(model: nn.Module, config: Union[EvictionConfig, Resolved
     def layer(i, c, plan):
         if plan is not None:
             return EvictionKVCache(plan[0], config.n_sink, plan[1], config.keep_of(i), config.coverage, spans, bits,
-                                   group, question_score=config.question_score, carry=config.carry)
+                                   group, question_score=config.question_score, carry=config.carry,
+                                   spread=config.spread, salt=i)
         if bits and is_full_attention(c):
             return EvictionKVCache(UNBOUNDED, 0, 0, "low", 0.0, ALL_EVICTABLE, bits, group)
         return c

@@ -327,6 +327,9 @@ class EvictionConfig:
     carry: float = _setting(
         0.25, "Share of each question-rule layer's rule slots (after the first such layer) kept for the positions "
         "the earlier layers scored best (0 = none).", metavar="SHARE")
+    spread: float = _setting(
+        0.0, "Share of each layer's rule slots kept for positions drawn at random, each KV head and layer its own "
+        "(0 = none): what random eviction keeps, beside what the rule keeps.", metavar="SHARE")
     early_keep: str = _setting(
         "auto", "Rule of the first 30% of the full-attention layers (at least two): auto = leverage under "
         "--keep blend (--preset intrinsic), else the --keep rule; or a rule name. --layer-keep overrides it per "
@@ -371,6 +374,10 @@ class EvictionConfig:
             raise ValueError(f"recent must be an integer, got {self.recent!r}")
         object.__setattr__(self, "coverage", check_coverage(self.coverage))
         object.__setattr__(self, "carry", _check_share(self.carry, "carry", 0.25))
+        object.__setattr__(self, "spread", _check_share(self.spread, "spread", 0.25))
+        if self.carry + self.spread >= 1:
+            raise ValueError(f"carry + spread must be below 1 (got {self.carry} + {self.spread}): nothing would be left "
+                             f"for the rule to choose")
         if self.question_score not in READINGS:
             raise ValueError(f"question_score must be one of {', '.join(READINGS)}; got {self.question_score!r}")
         object.__setattr__(self, "recent_share", check_recent_share(self.recent_share))
@@ -475,7 +482,7 @@ class EvictionConfig:
         rules = rules or None
         return ResolvedEviction(self.budget, self.n_sink, base_recent, self.keep, tuple(skip), budgets or None,
                                 n_layers, full, tuple(plan), self.coverage, self.kv_bits, self.kv_group_size, rules,
-                                self.question_score, self.carry)
+                                self.question_score, self.carry, self.spread)
 
     def to_dict(self) -> dict:
         """JSON-ready: ``skip_layers`` as a list (or None); ``layer_budgets`` and
@@ -505,12 +512,14 @@ class EvictionConfig:
         if "question" not in self.rules():  # the question rule's own settings mean nothing elsewhere
             d.pop("question_score")
             d.pop("carry")
+        if not self.spread:
+            d.pop("spread")
         return d
 
     def __hash__(self) -> int:
         return hash((self.budget, self.n_sink, self.recent, self.keep, self.skip_layers,
                      tuple(sorted((self.layer_budgets or {}).items())), self.early_factor, self.coverage,
-                     self.recent_share, self.early_rule(), self.question_score, self.carry,
+                     self.recent_share, self.early_rule(), self.question_score, self.carry, self.spread,
                      self.kv_bits, self.kv_group_size, tuple(sorted((self.layer_keep or {}).items()))))
 
 
@@ -537,6 +546,7 @@ class ResolvedEviction:
     layer_keep: Optional[dict[int, str]] = None  # {layer: rule} where it is not ``keep``
     question_score: str = "mean"
     carry: float = 0.0
+    spread: float = 0.0
 
     def keep_of(self, layer: int) -> str:
         """The rule of ``layer``."""
@@ -561,11 +571,13 @@ class ResolvedEviction:
             d["layer_keep"] = {str(k): v for k, v in sorted(self.layer_keep.items())}
         if "question" in self.rules():
             d["question_score"], d["carry"] = self.question_score, self.carry
+        if self.spread:
+            d["spread"] = self.spread
         return d
 
     def __hash__(self) -> int:
         return hash((self.n_sink, self.keep, self.layers, self.coverage, self.kv_bits, self.kv_group_size,
-                     tuple(sorted((self.layer_keep or {}).items())), self.question_score, self.carry))
+                     tuple(sorted((self.layer_keep or {}).items())), self.question_score, self.carry, self.spread))
 
 
 # ---- generation ----------------------------------------------------------------
@@ -716,21 +728,21 @@ DEFAULT_QUESTION_SEPARATOR = GenerationConfig.question_separator
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": dict(recent_share=RECENT_SHARE, keep="question", question_score="mean", carry=0.25, early_keep="auto",
-                    skip_layers=(), early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None),
+                    skip_layers=(), early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None, spread=0.0),
     "paper": dict(recent_share=OLD_RECENT_SHARE, keep="low", early_keep="auto", skip_layers=(0, 1),
-                  early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None),
+                  early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None, spread=0.0),
     "retrieval": dict(recent_share=OLD_RECENT_SHARE, keep="low", early_keep="auto", skip_layers=None,
-                      early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None),
+                      early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None, spread=0.0),
     "summarize": dict(recent_share=OLD_RECENT_SHARE, keep="keydiff", early_keep="auto", skip_layers=(),
-                      early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None),
+                      early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None, spread=0.0),
     "question": dict(recent_share=OLD_RECENT_SHARE, keep="question", question_score="best", carry=0.0,
                      early_keep="auto", skip_layers=(), early_factor=None, layer_budgets=None, coverage=0.0,
-                     layer_keep=None),
+                     layer_keep=None, spread=0.0),
     "intrinsic": dict(recent_share=0.5, keep="blend", early_keep="auto", skip_layers=(), early_factor=None,
-                      layer_budgets=None, coverage=0.25, layer_keep=None),
+                      layer_budgets=None, coverage=0.25, layer_keep=None, spread=0.0),
     "auto": {},  # the model's saved tuning: resolved once the model is loaded (knorm_gen.tune.auto_config)
 }
-LAYOUT_FIELDS = ("keep", "question_score", "carry", "early_keep", "coverage", "recent_share", "skip_layers",
+LAYOUT_FIELDS = ("keep", "question_score", "carry", "spread", "early_keep", "coverage", "recent_share", "skip_layers",
                  "layer_budgets", "early_factor", "layer_keep")
 """The fields a layout (a preset, a saved tuning) sets; the budget and the rest are the run's.
 

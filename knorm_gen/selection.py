@@ -4,7 +4,8 @@ One int64 per token: (order-preserving integer of the float32 score) << 32 | pos
 so one integer compare ranks by score and breaks ties by the earlier position; lower is
 kept first. Tiers below any score: pinned and protected tokens (sinks, the recent
 window) get :data:`PROTECTED` + position, coverage tokens :data:`COVERED` + position,
-carried tokens :data:`CARRIED_TIER` + position; empty and padding slots of a batch cache
+carried tokens :data:`CARRIED_TIER` + position, spread tokens :data:`SPREAD_TIER` + position;
+empty and padding slots of a batch cache
 get :data:`PAD`, above any score, never kept. A row's budget, recent window and the
 slots of coverage and carry are per row, so rows of one batch may hold different budgets.
 """
@@ -26,6 +27,7 @@ PROTECTED = -(1 << 63)
 # lowest finite float32, -inf, packs to about -(2**31 - 2**23) << 32).
 COVERED = PROTECTED + (1 << 34)
 CARRIED_TIER = COVERED + (1 << 33)
+SPREAD_TIER = CARRIED_TIER + (1 << 32)  # positions drawn per head (spread_tier), after the carried ones
 _SCORED = CARRIED_TIER + (1 << 33)  # every rank at or above it packs a real score
 PAD = (1 << 63) - 1
 STEP = 256  # buffers grow in steps of this many slots (as mlx_lm's KVCache does)
@@ -208,18 +210,23 @@ def carry_tier(key: mx.array, carry: mx.array, slots: Sequence[int]) -> mx.array
     largest ``carry`` value ``(B, S)`` (indexed by position; -inf or past its end: none)
     among those ranked by score moved to the carried tier, ranked before any scored
     token. Re-chosen at every selection, so at most ``slots[b]`` are carried at a time."""
-    most = max(slots, default=0)
-    if most <= 0 or carry.shape[-1] == 0:
+    if max(slots, default=0) <= 0 or carry.shape[-1] == 0:
         return key
     pos = rank_positions(key)
     width = carry.shape[-1]
     look = mx.take_along_axis(mx.broadcast_to(carry[:, None, :], key.shape[:2] + (width,)),
                               mx.minimum(pos, width - 1), axis=-1)
     eligible = mx.logical_and(mx.logical_and(scored(key), pos < width), look > -mx.inf)
-    # (value, position) packed as a rank, so ties (a sentence piece shares one value) go to the earlier position
-    order_key = mx.where(eligible, pack_ranks(-look, pos, 0), PAD)
-    n = order_key.shape[-1]
-    if len(set(slots)) > 1:  # rows carry different counts: the first slots[b] of each row's order
+    return _promote(key, pos, -look, eligible, slots, CARRIED_TIER)
+
+
+def _promote(key: mx.array, pos: mx.array, value: mx.array, eligible: mx.array, slots: Sequence[int],
+             tier: int) -> mx.array:
+    """``key`` with, per (row, head), the ``slots[b]`` eligible positions of the smallest
+    ``value`` (ties to the earlier position) ranked in ``tier`` + position."""
+    order_key = mx.where(eligible, pack_ranks(value, pos, 0), PAD)
+    n, most = order_key.shape[-1], max(slots)
+    if len(set(slots)) > 1:  # rows take different counts: the first slots[b] of each row's order
         order = mx.argsort(order_key, axis=-1)
         take = mx.arange(n)[None, None, :] < mx.array(list(slots)).reshape(-1, 1, 1)
         chosen = mx.logical_and(mx.take_along_axis(eligible, order, axis=-1), take)
@@ -231,4 +238,32 @@ def carry_tier(key: mx.array, carry: mx.array, slots: Sequence[int]) -> mx.array
         chosen = mx.take_along_axis(eligible, order, axis=-1)
     at = mx.take_along_axis(pos, order, axis=-1).astype(mx.int64)
     was = mx.take_along_axis(key, order, axis=-1)
-    return mx.put_along_axis(key, order, mx.where(chosen, CARRIED_TIER + at, was), axis=-1)
+    return mx.put_along_axis(key, order, mx.where(chosen, tier + at, was), axis=-1)
+
+
+# ---- spread: a share of each head's slots drawn per head and layer --------------------------
+
+
+def spread_priority(positions: mx.array, salt: int) -> mx.array:
+    """A pseudo-random priority in [0, 2**31) per (row, head, position) of ``positions``
+    ``(B, H, N)``: a hash of the position, the KV head and ``salt`` (the layer), so each head
+    and layer draws its own positions, the same ones in every run."""
+    heads = mx.arange(positions.shape[1], dtype=mx.int64).reshape(1, -1, 1)
+    h = positions.astype(mx.int64) * 0x9E3779B1 + heads * 0x85EBCA77 + (salt + 1) * 0xC2B2AE3D
+    for shift, factor in ((15, 0x2C1B3C6D), (12, 0x297A2D39), (15, 1)):
+        h = mx.bitwise_xor(h, mx.right_shift(h, shift)) * factor
+    return mx.bitwise_and(h, (1 << 31) - 1)
+
+
+def spread_tier(key: mx.array, slots: Sequence[int], salt: int) -> mx.array:
+    """``key`` with, per (row, head), the ``slots[b]`` positions of highest
+    :func:`spread_priority` among those ranked by score moved to the spread tier, before
+    any scored token: a share of each head's slots holds a random choice of its own, as
+    random eviction would keep, whatever the rule scores. Re-chosen at every selection
+    among the positions held, so at most ``slots[b]`` are spread at a time."""
+    if max(slots, default=0) <= 0:
+        return key
+    pos = rank_positions(key)
+    # 24 bits of the priority: exact in the float32 a rank packs
+    value = -mx.right_shift(spread_priority(pos, salt), 7).astype(mx.float32)
+    return _promote(key, pos, value, scored(key), slots, SPREAD_TIER)

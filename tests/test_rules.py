@@ -499,3 +499,35 @@ def test_a_batch_of_carrying_rows_keeps_what_each_row_keeps_alone():
     for li in range(layers):
         for b in range(len(lengths)):
             np.testing.assert_array_equal(kept_positions(batch[li].extract(b)), kept_positions(alone[b][li]))
+
+
+def numpy_spread_priority(positions, heads, salt):
+    """The spread tier's priority from its definition, in numpy's wrapping 64-bit integers."""
+    h = (np.asarray(positions, np.uint64)[None, :] * np.uint64(0x9E3779B1)
+         + np.arange(heads, dtype=np.uint64)[:, None] * np.uint64(0x85EBCA77) + np.uint64((salt + 1) * 0xC2B2AE3D))
+    for shift, factor in ((15, 0x2C1B3C6D), (12, 0x297A2D39), (15, 1)):
+        h = (h ^ (h.view(np.int64) >> shift).view(np.uint64)) * np.uint64(factor)
+    return (h & np.uint64((1 << 31) - 1)) >> np.uint64(7)
+
+
+@pytest.mark.parametrize("salt", [0, 5])
+def test_spread_keeps_a_random_share_of_its_own_per_head_and_layer(salt):
+    # keep="low" with spread 0.5: per head, half the rule's slots hold the positions of highest priority
+    # (a hash of position, head and layer), the rest the lowest norms of the others, as a numpy run ranks them.
+    keys = distinct_norm_keys(T, np.random.default_rng(4), heads=2)
+    cache = EvictionKVCache(BUDGET, N_SINK, RECENT, "low", spread=0.5, salt=salt)
+    feed_keys(cache, keys, [T])
+    got = kept_positions(cache)
+    protected = set(range(N_SINK)) | set(range(T - RECENT, T))
+    rest = [p for p in range(T) if p not in protected]
+    slots = int(0.5 * (BUDGET - N_SINK - RECENT))
+    prio = numpy_spread_priority(range(T), 2, salt)
+    norms = (keys[0].astype(np.float64) ** 2).sum(-1)
+    for h in range(2):
+        spread = sorted(rest, key=lambda p: (-int(prio[h, p]), p))[:slots]
+        by_norm = sorted((p for p in rest if p not in spread), key=lambda p: (norms[h, p], p))
+        want = protected | set(spread) | set(by_norm[: BUDGET - len(protected) - slots])
+        assert list(got[0, h]) == sorted(want), h
+    other = EvictionKVCache(BUDGET, N_SINK, RECENT, "low", spread=0.5, salt=salt + 1)
+    feed_keys(other, keys, [T])
+    assert not np.array_equal(kept_positions(other), got)  # another layer draws other positions

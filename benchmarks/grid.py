@@ -1,0 +1,139 @@
+"""The quality grid: layouts x compressions x documents on one model, through the public
+harness (:mod:`knorm_gen.evaluate`): summary fidelity (against the full cache's own summary,
+and the package authors' one-line summary where a document has one), a pass key inside each
+document and in two fillers, and perplexity, against the full cache and random eviction at
+equal bytes. One JSON file per run, written after every case (a rerun of the same command
+resumes where it stopped).
+
+    python benchmarks/grid.py --model default --docs 0:12 --tokens 2048 --ratios 2,4,8,16 \\
+        --arms default,random,paper --out benchmarks/results/grid-smollm2-2k.json
+    python benchmarks/grid.py --report benchmarks/results/grid-smollm2-2k.json
+
+``--docs A:B`` takes documents A to B-1 of :func:`documents.documents` (the fixed order);
+``--tokens N`` cuts each to its first N tokens (a sentence end); ``--ratios`` are compressions
+(each arm keeps a document's tokens / ratio). Arms are names of
+:data:`knorm_gen.layouts.CANDIDATES`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import knorm_gen  # noqa: E402  (BLAS preload first)
+from documents import documents  # noqa: E402
+from knorm_gen.evaluate import (FILLERS, Doc, Evaluator, filler_text, head_tokens, summarize,  # noqa: E402
+                                with_needle)
+from knorm_gen.layouts import CANDIDATES  # noqa: E402
+from knorm_gen.models import load_model  # noqa: E402
+
+DEPTHS = (0.25, 0.5, 0.75)
+GRID_FILLERS = ("harbor", "recipe")  # held out of knorm-tune's fillers
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--docs", default="0:12", help="A:B, documents A to B-1 of the fixed order")
+    ap.add_argument("--tokens", type=int, default=2048, help="each document's first N tokens")
+    ap.add_argument("--ratios", default="4")
+    ap.add_argument("--arms", default="default,random")
+    ap.add_argument("--fillers", default=",".join(GRID_FILLERS), help="fillers of knorm_gen.evaluate.FILLERS, "
+                                                                         "a key in each ('' for none)")
+    ap.add_argument("--out", help="the results file (resumed when it exists)")
+    ap.add_argument("--report", help="print the table of a results file and stop")
+    return ap.parse_args(argv)
+
+
+def grid_docs(tok, spec: str, n_tokens: int) -> list[Doc]:
+    a, b = (int(x) for x in spec.split(":"))
+    found = documents(tok, min_tokens=1500, max_tokens=10**6)[a:b]
+    return [Doc(d.name, head_tokens(tok, d.text, n_tokens), d.summary) for d in found]
+
+
+def cases(tok, docs: list[Doc], fillers: list[str], n_tokens: int) -> list[tuple]:
+    import random
+
+    rng = random.Random(0)
+    out = [("document", d, str(rng.randint(10000, 99999)), DEPTHS[i % len(DEPTHS)]) for i, d in enumerate(docs)]
+    out += [("filler", Doc(f"filler:{f}", filler_text(FILLERS[f], tok, min(n_tokens, 1536))),
+             str(rng.randint(10000, 99999)), (0.3, 0.7)[i % 2]) for i, f in enumerate(fillers)]
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    model, tok = load_model(None if args.model == "default" else args.model)
+    arms = {a: CANDIDATES[a] for a in args.arms.split(",")}
+    ratios = [float(r) for r in args.ratios.split(",")]
+    docs = grid_docs(tok, args.docs, args.tokens)
+    todo = cases(tok, docs, [f for f in args.fillers.split(",") if f], args.tokens)
+    out = Path(args.out) if args.out else None
+    result = json.loads(out.read_text()) if out and out.exists() else {"rows": []}
+    result["meta"] = dict(model=args.model, docs=[d.name for d in docs], tokens=args.tokens, ratios=ratios,
+                          arms=arms, argv=sys.argv[1:], machine=platform.processor() or platform.machine(),
+                          commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                text=True).stdout.strip())
+    done = {(r["ratio"], r["case"]) for r in result["rows"]}
+    full_rows: dict = {}
+    for ratio in ratios:
+        ev = Evaluator(model, tok, arms, ratio=ratio, log=lambda m: None, modes=("ctq", "prompt"))
+        ev.full_rows = full_rows
+        for kind, doc, key, depth in todo:
+            case = f"{doc.name}:{key}"
+            if (ratio, case) in done:
+                continue
+            tic = time.perf_counter()
+            rows = (ev.document(doc, key, depth) if kind == "document"
+                    else ev.passkey(doc.name, with_needle(doc.text, depth, key), key, depth))
+            result["rows"] += [{**r, "ratio": ratio, "case": case} for r in rows]
+            print(f"{ratio:g}x {case} {time.perf_counter() - tic:.0f}s", flush=True)
+            if out:
+                out.write_text(json.dumps(result))
+    return result
+
+
+def report(result: dict) -> str:
+    lines = []
+    arms = list(result["meta"]["arms"])
+    for ratio in result["meta"]["ratios"]:
+        rows = [r for r in result["rows"] if r["ratio"] == ratio]
+        table = summarize(rows, ["full", *arms])
+        lines.append(f"\n{result['meta']['model']} at {ratio:g}x, {len(result['meta']['docs'])} documents of "
+                     f"{result['meta']['tokens']} tokens")
+        lines.append("| arm | recovered | vs random (95% interval) | wins | human summary | keys of full | ppl |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for arm in arms:
+            t = table[arm]
+            ci = t["vs_random_interval"]
+            lines.append("| " + " | ".join([
+                arm, _pct(t["recovered"]),
+                "-" if t["vs_random"] is None else f"{t['vs_random']:+.3f} ({ci[0]:+.3f}, {ci[1]:+.3f})" if ci
+                else f"{t['vs_random']:+.3f}",
+                f"{t['wins_vs_random']}/{t['fidelity_docs']}" if arm != "random" else "-",
+                _pct(t["recovered_human"]) + f" ({t['human_docs']})",
+                f"{t['keys_of_full']}/{t['full_keys']}",
+                "-" if t["ppl_ratio"] is None else f"{t['ppl_ratio']:.3f}x"]) + " |")
+    return "\n".join(lines)
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    if args.report:
+        print(report(json.loads(Path(args.report).read_text())))
+        return
+    print(report(run(args)))
+
+
+if __name__ == "__main__":
+    main()
