@@ -122,9 +122,12 @@ class KVLimit:
         self.peak = 0
 
     def memory(self, eviction: ResolvedEviction) -> KVMemory:
-        if eviction not in self._memory:
-            self._memory[eviction] = kv_memory(self.model, eviction)
-        return self._memory[eviction]
+        """What one row of ``eviction`` holds per layer; measured once per layout, the
+        budgets that follow each document (``ratio``) read from its plan."""
+        key = eviction.batch_form()
+        if key not in self._memory:
+            self._memory[key] = kv_memory(self.model, eviction.for_document(0) if not eviction.sized else eviction)
+        return self._memory[key].for_plan(eviction)
 
     def needs(self, request: Any) -> list[KVNeed]:
         """One need per sequence of the request."""

@@ -870,6 +870,9 @@ def make_eviction_cache(model: nn.Module, config: Union[EvictionConfig, Resolved
         config = (config or EvictionConfig()).for_model(model)
     if config.n_layers != len(caches):
         raise ValueError(f"these settings were resolved for a model of {config.n_layers} layers, not {len(caches)}")
+    if not config.sized:
+        raise ValueError("ratio sets each layer's budget from the document's length: resolve the layout for it "
+                         "first (config.for_model(model).for_document(n_tokens)), or give a fixed budget")
     bits, group = config.kv_bits, config.kv_group_size
 
     def layer(i, c, plan):

@@ -39,6 +39,7 @@ from .config import (
     PRESETS,
     make_configs,
 )
+from .evaluate import TUNE_FILLERS
 from .generate import stream_with_eviction
 from .job import (
     EXIT_INTERNAL_ERROR,
@@ -52,14 +53,16 @@ from .job import (
     prepare_tokenizer,
     run_batch,
 )
-from .layouts import CANDIDATES
+from .layouts import CANDIDATES, describe
 from .memory import kv_memory
 from .models import get_model
 from .sink import budget_warning, silence_stdout
 from .sources import DEFAULT_GLOBS, PDF_EXTRA
+from .tune import (DOC_TOKENS, QUICK_ARMS, QUICK_DOCS, SWEEP_RATIOS, TUNE_ARMS, TUNE_DOCS, bounded, save_tuning,
+                   tune)
 
 RUN_KEYS = ("input", "output", "model", "batch_size", "stats_log", "summary_json", "limit", "max_kv_memory",
-            "extra_eos_tokens", "chat_template_config", "adapter_path", "trust_remote_code", "glob")
+            "extra_eos_tokens", "chat_template_config", "adapter_path", "trust_remote_code", "glob", "calibrate")
 JOB_KEYS = {None: RUN_KEYS, "eviction": EVICTION_FIELDS + ("preset",), "generation": GENERATION_FIELDS,
             "rows": ROWS_FIELDS}
 JOB_PATHS = ("input", "output", "stats_log", "summary_json", "adapter_path")
@@ -239,7 +242,7 @@ def _check_run_keys(path: str, flat: dict) -> None:
             flat[key] = value
     if "model" in flat and not isinstance(flat["model"], str):
         raise UsageFailure(f"job file {path}: 'model' must be text, got {flat['model']!r}")
-    for key in ("limit", "batch_size"):
+    for key in ("limit", "batch_size", "calibrate"):
         if key in flat and (isinstance(flat[key], bool) or not isinstance(flat[key], int)):
             raise UsageFailure(f"job file {path}: '{key}' must be an integer, got {flat[key]!r}")
     if "max_kv_memory" in flat:
@@ -369,6 +372,10 @@ preset_option = click.option(
 @click.option("--accept-old-records", is_flag=True,
               help="Resume over records made from other rows or settings, counting them as done.")
 @click.option("--limit", type=click.IntRange(min=0), default=None, help="Run only the first N rows.")
+@click.option("--calibrate", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Without a saved tuning for the model and a layout you set: measure the quick candidates on the "
+                   "first N rows' documents against the full cache at this run's budget, choose, save the choice as "
+                   "the model's tuning and run every row with it (docs/batch.md: what it costs). Off by default.")
 @click.option("--max-kv-memory", metavar="SIZE", default=None,
               help="KV memory the rows in flight may reach together, e.g. 2GiB or 512MiB; a row joins the batch "
                    "only while it fits, and a row that cannot fit alone becomes a kv_memory_exceeded record.  "
@@ -412,7 +419,8 @@ def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optio
                            extra_eos_tokens=tuple(settings.get("extra_eos_tokens") or ()),
                            chat_template_config=settings.get("chat_template_config"),
                            adapter_path=settings.get("adapter_path"),
-                           trust_remote_code=bool(settings.get("trust_remote_code")), verbose=verbose)
+                           trust_remote_code=bool(settings.get("trust_remote_code")), verbose=verbose,
+                           calibrate=settings.get("calibrate"))
     _run(ctx, settings, options, quiet)
 
 
@@ -567,25 +575,21 @@ def stats_line(result: Any) -> str:
 @model_option
 @click.option("--context-field", default="text", show_default=True, help="The field of DOCS holding a document.")
 @click.option("--budget", type=click.IntRange(min=8), default=None,
-              help="Tokens kept per layer (default: each document's tokens / --ratio).")
+              help="The job's budget: every candidate keeps N tokens of each document, so the compression measured "
+                   "is each document's tokens / N, the job's own (default: each document's tokens / --ratio).")
 @click.option("--ratio", type=click.FloatRange(min=1.5), default=4.0, show_default=True,
-              help="Compression: a document's tokens per kept token.")
+              help="The job's compression: every candidate keeps each document's tokens / R (ignored with --budget).")
 @click.option("--job", "job_kind", type=click.Choice(("summarize", "retrieve", "both")), default="both",
               show_default=True, help="What the layout is chosen for.")
-@click.option("--arms", default=None, help="Candidates, comma-separated (default: the default layout (the mean of the "
-              "question rule and its per-query form, carrying the earlier layers' best, the recent quarter), 0.11's "
-              "default (the per-query form alone, carrying), --preset intrinsic, the blend in every layer, the other bounded rules with its coverage and recent half, keep-low "
-              "alone and random eviction). All: "
-              + ",".join((*CANDIDATES, "mix")))
-@click.option("--mix", "with_mix", is_flag=True, help="Also measure a per-layer mix: each layer takes the rule "
-              "(blend, keydiff, low or leverage, with --preset intrinsic's coverage and recent half) with the least "
-              "attention error on held queries "
-              "(one more candidate: one more prefill per case).")
-@click.option("--docs-limit", type=click.IntRange(min=1), default=4, show_default=True,
-              help="Documents measured (the first ones of DOCS, or of the shipped corpus).")
-@click.option("--doc-tokens", type=click.IntRange(min=256), default=1536, show_default=True,
-              help="Each document is cut to its first N tokens.")
-@click.option("--quick", is_flag=True, help="One document of 1024 tokens, one filler and four candidates (a few minutes).")
+@click.option("--arms", default=None, help=f"Candidates, comma-separated (default: {','.join(TUNE_ARMS)}; random "
+              f"eviction, the control, is always measured). All: " + ",".join(CANDIDATES))
+@click.option("--docs-limit", type=click.IntRange(min=1), default=None,
+              help=f"Documents measured (the first ones of DOCS, or of the shipped corpus).  [default: "
+                   f"{TUNE_DOCS}; {QUICK_DOCS} with --quick]")
+@click.option("--doc-tokens", type=click.IntRange(min=256), default=DOC_TOKENS, show_default=True,
+              help="A document longer than N tokens is cut to its first N; shorter ones are measured whole.")
+@click.option("--quick", is_flag=True, help=f"{QUICK_DOCS} documents, one filler and {len(QUICK_ARMS)} candidates "
+              f"({', '.join(QUICK_ARMS)}).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Also write the full result as JSON here.")
 @click.option("--no-save", is_flag=True, help="Do not save the choice as this model's tuning (--preset auto).")
 @click.option("--target-fidelity", type=click.FloatRange(0, 1, min_open=True), default=None,
@@ -597,21 +601,22 @@ def stats_line(result: Any) -> str:
                    "(default with a target: 8,6,4,3,2); reports the smallest budget meeting the targets.")
 @click.version_option(__version__, prog_name="knorm-tune")
 def tune_command(docs: Optional[str], model: str, context_field: str, budget: Optional[int], ratio: float,
-                 job_kind: str, arms: Optional[str], docs_limit: int, doc_tokens: int, quick: bool, out: Optional[str],
-                 no_save: bool, target_fidelity: Optional[float], target_keys: Optional[float],
-                 sweep_ratios: Optional[str], with_mix: bool) -> None:
+                 job_kind: str, arms: Optional[str], docs_limit: Optional[int], doc_tokens: int, quick: bool,
+                 out: Optional[str], no_save: bool, target_fidelity: Optional[float], target_keys: Optional[float],
+                 sweep_ratios: Optional[str]) -> None:
     """Measure eviction layouts on YOUR model (and your documents, DOCS: JSONL rows
-    with the document in --context-field) on three tasks at equal budget, through
-    the product's own prefill: summary fidelity (the full cache's own summary,
-    teacher-forced), pass keys placed inside the documents and in repeated filler
-    (a filler's also asked inside one prompt, as generate_with_eviction runs it),
-    and perplexity: one prefill per layout and document serves all three. Prints
-    the table (the chosen layout first), saves the choice as this model's tuning
-    (used by --preset auto and knorm_gen.tuned_config) and, with --out, the JSON.
-
-    With --mix it also measures a per-layer mix (each layer's rule chosen by the
-    attention error of what it keeps, on held queries), chosen only if it beats the
-    whole-model layouts.
+    with the document in --context-field) on three tasks at your job's compression,
+    through the product's own prefill: summary fidelity (the full cache's own
+    summary, teacher-forced), pass keys placed inside the documents and in repeated
+    filler (a filler's also asked inside one prompt, as generate_with_eviction runs
+    it), and perplexity: one prefill per layout and document serves all three. Each
+    document is measured at its own length (cut above --doc-tokens) at --budget or
+    --ratio. Prints the table (the chosen layout first; each layout's paired
+    difference to random eviction with its 95% interval; the documents whose
+    reference summary is degenerate, left out of fidelity; whether the documents can
+    separate the layouts), saves the choice as this model's tuning (used by --preset
+    auto and knorm_gen.tuned_config) and, with --out, the JSON. A layout below random
+    eviction beyond its interval is never chosen.
 
     With --target-fidelity / --target-keys (or --sweep) the chosen layout is then
     measured at other compressions on the same cases, and the smallest budget that
@@ -620,29 +625,43 @@ def tune_command(docs: Optional[str], model: str, context_field: str, budget: Op
     Without DOCS it measures the long sections of CPython's pydoc_data.topics.
     Exit status: 0 done, 2 usage error (before any measurement), 130 interrupted.
     """
-    import json
-
-    from .models import get_model
-    from .tune import MIX, QUICK_ARMS, SWEEP_RATIOS, TUNE_ARMS, TUNE_FILLERS, Doc, save_tuning, tune
-
     sweep = _sweep_ratios(sweep_ratios) if sweep_ratios else \
         SWEEP_RATIOS if target_fidelity is not None or target_keys is not None else ()
-
-    names = QUICK_ARMS if quick and not arms else tuple(a.strip() for a in (arms or ",".join(TUNE_ARMS)).split(","))
-    unknown = [a for a in names if a not in CANDIDATES and a != MIX]
-    if unknown:
-        raise UsageFailure(f"unknown candidate(s) {', '.join(unknown)}; choose from {', '.join([*CANDIDATES, MIX])}")
-    if with_mix and MIX not in names:
-        names = (*names, MIX)
-    if "random" not in names:
-        names = (*names, "random")  # the control every verdict is measured against
-    if quick:
-        docs_limit, doc_tokens = 1, min(doc_tokens, 1024)
-    documents = _tune_documents(docs, context_field, docs_limit)
+    names = _tune_arms(arms, quick)
+    documents = _tune_documents(docs, context_field, docs_limit or (QUICK_DOCS if quick else TUNE_DOCS))
     try:
         loaded, tokenizer = get_model(model)
     except (BatchUsageError, ValueError) as e:
         raise UsageFailure(str(e)) from None
+    lengths = _tune_lengths(tokenizer, documents, doc_tokens, budget)
+    at = f"the job's budget {budget} (about {sum(lengths) / len(lengths) / budget:.1f}x)" if budget else f"{ratio:g}x"
+    click.echo(f"knorm-tune: {len(names)} candidates on {len(documents)} document(s) of about "
+               f"{sum(lengths) // len(lengths)} tokens at {at}, job {job_kind}", err=True)
+    try:
+        record = tune(loaded, tokenizer, documents, ratio=ratio, budget=budget, job=job_kind, arms=names,
+                      doc_tokens=doc_tokens, fillers=TUNE_FILLERS[:1] if quick else TUNE_FILLERS, log=lambda m: None,
+                      sweep=sweep, targets=(target_fidelity, target_keys))
+    except KeyboardInterrupt:
+        click.echo("knorm-tune: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    record["model"] = model
+    _report_tuning(record, loaded, no_save, out)
+
+
+def _tune_arms(arms: Optional[str], quick: bool) -> tuple[str, ...]:
+    """The candidates to measure (random eviction among them), or UsageFailure naming an unknown one."""
+    names = QUICK_ARMS if quick and not arms else tuple(a.strip() for a in (arms or ",".join(TUNE_ARMS)).split(","))
+    unknown = [a for a in names if a not in CANDIDATES]
+    if unknown:
+        raise UsageFailure(f"unknown candidate(s) {', '.join(unknown)}; choose from {', '.join(CANDIDATES)}")
+    if not any(a != "random" for a in names):
+        raise UsageFailure("--arms names only random eviction, the control: name a candidate to measure against it")
+    return tuple(dict.fromkeys((*names, "random")))  # the control every verdict is measured against
+
+
+def _tune_lengths(tokenizer: Any, documents: list, doc_tokens: int, budget: Optional[int]) -> list[int]:
+    """Each document's tokens as measured (cut above ``doc_tokens``), or UsageFailure for
+    documents too short for the job's budget (or under 256 tokens)."""
     lengths = [min(len(tokenizer.encode(d.text, add_special_tokens=False)), doc_tokens) for d in documents]
     if budget is not None:
         short = [d.name for d, n in zip(documents, lengths) if n < 2 * budget]
@@ -650,25 +669,19 @@ def tune_command(docs: Optional[str], model: str, context_field: str, budget: Op
             raise UsageFailure(f"--budget {budget} keeps half or more of {len(short)} document(s) ({short[0]}, ...): "
                                f"a tuning needs documents of at least twice the budget; lower --budget or give "
                                f"longer documents")
-        ratio = sum(lengths) / len(lengths) / budget
     elif min(lengths) < 256:
         raise UsageFailure(f"document {documents[lengths.index(min(lengths))].name} has {min(lengths)} tokens; "
                            f"a tuning needs documents of at least 256 tokens")
-    click.echo(f"knorm-tune: {len(names)} candidates on {len(documents)} document(s) of about "
-               f"{sum(lengths) // len(lengths)} tokens at {ratio:.1f}x, job {job_kind}", err=True)
-    try:
-        record = tune(loaded, tokenizer, documents, ratio=ratio, job=job_kind, arms=names, doc_tokens=doc_tokens,
-                      fillers=TUNE_FILLERS[:1] if quick else TUNE_FILLERS, log=lambda m: None, sweep=sweep,
-                      targets=(target_fidelity, target_keys))
-    except KeyboardInterrupt:
-        click.echo("knorm-tune: interrupted", err=True)
-        sys.exit(EXIT_INTERRUPTED)
-    record["model"] = model
+    return lengths
+
+
+def _report_tuning(record: dict, model: Any, no_save: bool, out: Optional[str]) -> None:
+    """The table (and the sweep's), the saved tuning, the JSON and its plot."""
     click.echo(tune_table(record))
     if record.get("sweep"):
         click.echo(sweep_table(record["sweep"]))
     if not no_save:
-        click.echo(f"saved as this model's tuning (--preset auto): {save_tuning(loaded, record)}", err=True)
+        click.echo(f"saved as this model's tuning (--preset auto): {save_tuning(model, record)}", err=True)
     if out:
         Path(out).write_text(json.dumps(record, indent=1))
         _tune_plot(record, Path(out).with_suffix(".png"))
@@ -711,7 +724,7 @@ def _tune_documents(path: Optional[str], field: str, limit: int) -> list:
     import json
 
     from .corpus import pydoc_sections
-    from .tune import Doc
+    from .evaluate import Doc
 
     if path is None:
         shipped = [Doc(f"pydoc:{name}", text) for name, text in pydoc_sections(min_chars=9000)[:limit]]
@@ -746,39 +759,43 @@ def _tune_documents(path: Optional[str], field: str, limit: int) -> list:
 
 
 def tune_table(record: dict) -> str:
-    """The terminal table: the chosen layout first, then the others, then why."""
-    from .tune import bounded
-
+    """The terminal table: the chosen layout first, then the others; then the compression
+    measured, the documents left out of fidelity, whether the documents separate the
+    layouts, and why the chosen one."""
     table = record["table"]
     order = [record["chosen"]] + [a for a in table if a not in (record["chosen"], "full")] + ["full"]
     width = max(15, *(len(a) for a in order))  # a long layout name must not push its row out of the columns
-    lines = [f"{'layout':{width}s} {'fidelity':>8s} {'wins/rand':>9s} {'keys':>7s} {'in docs':>8s} {'filler':>7s} "
-             f"{'ppl x':>6s}  memory"]
-    for a in order:
-        v = table[a]
-        rec = "-" if v["recovered"] is None else f"{v['recovered']:.0%}"
-        ppl = "-" if v["ppl_ratio"] is None else f"{v['ppl_ratio']:.3f}"
-        mem = "grows with input" if a == "full" or not bounded(CANDIDATES.get(a, {})) else "bounded"
-        mark = " <- chosen" if a == record["chosen"] else ""
-        filler, filler_full = v.get("filler_keys_of_full", 0), v.get("filler_full_keys", 0)
-        in_docs = f"{v['keys_of_full'] - filler}/{v['full_keys'] - filler_full}"
-        lines.append(f"{a:{width}s} {rec:>8s} {v['wins_vs_random']:>4d}/{v['fidelity_docs']:<4d} "
-                     f"{v['keys_of_full']:>3d}/{v['full_keys']:<3d} {in_docs:>8s} {f'{filler}/{filler_full}':>7s} "
-                     f"{ppl:>6s}  {mem}{mark}")
+    lines = [f"{'layout':{width}s} {'fidelity':>8s} {'vs random [95%]':>20s} {'wins/rand':>9s} {'keys':>7s} "
+             f"{'in docs':>8s} {'filler':>7s} {'ppl x':>6s}  memory"]
+    lines += [_tune_row(a, table[a], width, a == record["chosen"]) for a in order if a in table]
     lines.append("keys: found of those the full cache found (in the documents, in repeated filler); "
-                 "fidelity: summary recovered; ppl: perplexity of each document's end vs the full cache")
-    mix = (record.get("mix") or {}).get("layout")
-    if mix:
-        rules: dict[str, list[str]] = {}
-        for layer, rule in sorted(mix["layer_keep"].items(), key=lambda x: int(x[0])):
-            rules.setdefault(rule, []).append(str(layer))
-        lines.append(f"mix: {mix['keep']} in every layer but " + "; ".join(f"{r} in {','.join(ls)}"
-                                                                        for r, ls in rules.items())
-                     + " (each layer's rule: the least attention error over the held queries)")
-    elif record.get("mix"):
-        lines.append("mix: one rule had the least attention error in every layer, so no mix was measured")
-    lines.append(f"chosen: {record['chosen']} {record['layout']}: {record['why']}")
+                 "fidelity: summary recovered; vs random: the mean paired difference to random eviction over "
+                 "documents, with its 95% bootstrap interval; ppl: perplexity of each document's end vs the full cache")
+    compression = list((record.get("compression") or {}).values())
+    if compression:
+        lines.append(f"measured at {sum(compression) / len(compression):.2f}x (each document's tokens per kept token: "
+                     f"{min(compression):.2f}x to {max(compression):.2f}x; budget {record.get('budget')})")
+    for doc, why in (record.get("left_out") or {}).items():
+        lines.append(f"left out of fidelity: {doc}: {why}")
+    if record.get("separation"):
+        lines.append(record["separation"])
+    lines.append(f"chosen: {record['chosen']} ({record.get('layout_text') or describe(record['layout'])}): "
+                 f"{record['why']}")
     return "\n".join(lines)
+
+
+def _tune_row(a: str, v: dict, width: int, chosen: bool) -> str:
+    """One layout's row of :func:`tune_table`."""
+    rec = "-" if v["recovered"] is None else f"{v['recovered']:.0%}"
+    ppl = "-" if v["ppl_ratio"] is None else f"{v['ppl_ratio']:.3f}"
+    diff, interval = v.get("vs_random"), v.get("vs_random_interval")
+    vs = "-" if diff is None else f"{diff:+.1%}" + (f" [{interval[0]:+.0%}, {interval[1]:+.0%}]" if interval else "")
+    mem = "grows with input" if a == "full" or not bounded(CANDIDATES.get(a, {})) else "bounded"
+    filler, filler_full = v.get("filler_keys_of_full", 0), v.get("filler_full_keys", 0)
+    in_docs = f"{v['keys_of_full'] - filler}/{v['full_keys'] - filler_full}"
+    return (f"{a:{width}s} {rec:>8s} {vs:>20s} {v['wins_vs_random']:>4d}/{v['fidelity_docs']:<4d} "
+            f"{v['keys_of_full']:>3d}/{v['full_keys']:<3d} {in_docs:>8s} {f'{filler}/{filler_full}':>7s} "
+            f"{ppl:>6s}  {mem}" + (" <- chosen" if chosen else ""))
 
 
 def _tune_plot(record: dict, path: Path) -> None:

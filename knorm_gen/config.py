@@ -88,6 +88,9 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+LONG_DOCUMENTS = ("error", "truncate", "chunk")
+"""What a document longer than the model's context becomes (``long_documents``; :mod:`knorm_gen.long_documents`)."""
+
 MIN_TEMPERATURE = 2.0**-126
 """The smallest positive temperature accepted (the smallest normal float32):
 below about 3e-39 the sampler's ``1 / temperature`` is inf in float32."""
@@ -153,6 +156,37 @@ def parse_budget(value: Any) -> Optional[int]:
     if budget < 1 or (isinstance(value, float) and value != budget):
         raise ValueError(f"budget must be an integer >= 1 or 'none', got {value!r}")
     return budget
+
+
+def parse_ratio(value: Any) -> Optional[float]:
+    """``none`` (or None) = no ratio, else a number >= 1: keep 1/R of each document."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "")):
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"ratio must be a number >= 1 or 'none', got {value!r}")
+    try:
+        ratio = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"ratio must be a number >= 1 (keep 1/ratio of each document) or 'none', got {value!r}") \
+            from None
+    if not math.isfinite(ratio) or ratio < 1:
+        raise ValueError(f"ratio must be a number >= 1 (keep 1/ratio of each document) or 'none', got {value!r}")
+    return ratio
+
+
+UNSIZED = 1 << 30
+"""A compressed layer's budget in a layout whose budget follows the document (``ratio``)
+before the document is known (:meth:`ResolvedEviction.for_document` sets it)."""
+
+MIN_RATIO_BUDGET = 16
+"""The fewest tokens a layer keeps of a document under ``ratio`` (a short document is kept whole below it)."""
+
+
+def ratio_budget(doc_tokens: int, ratio: float, cap: Optional[int] = None) -> int:
+    """A layer's budget for a document of ``doc_tokens`` under ``ratio``: its tokens / ratio
+    (rounded up, at least :data:`MIN_RATIO_BUDGET`), at most ``cap``."""
+    budget = max(MIN_RATIO_BUDGET, math.ceil(doc_tokens / ratio))
+    return budget if cap is None else min(budget, cap)
 
 
 def _layer_list(text: str, what: str) -> list[int]:
@@ -311,6 +345,9 @@ class EvictionConfig:
 
     budget: Optional[int] = _setting(512, "Tokens kept per compressed layer; 'none' = full cache.",
                                      parse=parse_budget, metavar="INT|none")
+    ratio: Optional[float] = _setting(
+        None, "Keep 1/R of each document's tokens per compressed layer: a budget that follows the document "
+        "(with --budget, that budget caps it). 'none' = a fixed --budget.", parse=parse_ratio, metavar="R|none")
     n_sink: int = _setting(4, "Leading tokens never evicted.")
     recent: Optional[int] = _setting(None, "Most recent tokens never evicted (overrides --recent-share).",
                                      default_text="--recent-share x budget")
@@ -388,6 +425,12 @@ class EvictionConfig:
                                    self.coverage)
         else:
             check_rule(self.keep)
+        if self.ratio is not None:
+            try:
+                validate_eviction_args(MIN_RATIO_BUDGET, self.n_sink, self.layer_recent(MIN_RATIO_BUDGET),
+                                       self.keep, self.coverage)
+            except ValueError as e:
+                raise ValueError(f"with ratio a short document's budget is {MIN_RATIO_BUDGET} tokens: {e}") from None
         if self.layer_budgets is not None:
             if not isinstance(self.layer_budgets, Mapping):
                 raise ValueError(f"layer_budgets must map layer index to budget, got {self.layer_budgets!r}")
@@ -406,6 +449,11 @@ class EvictionConfig:
             for layer, rule in rules.items():
                 check_rule(rule, f"layer_keep[{layer}]")
             object.__setattr__(self, "layer_keep", rules or None)
+        if self.ratio is not None:
+            object.__setattr__(self, "ratio", parse_ratio(self.ratio))
+            if self.early_factor is not None or self.layer_budgets is not None:
+                raise ValueError("ratio sets each layer's budget from the document: leave early_factor and "
+                                 "layer_budgets unset, or give a fixed --budget instead of --ratio")
         if self.early_factor is not None:
             if not _is_int(self.early_factor) or self.early_factor < 1:
                 raise ValueError(f"early_factor must be an integer >= 1, got {self.early_factor!r}")
@@ -468,13 +516,14 @@ class EvictionConfig:
                     raise ValueError(f"{what} index {i} is out of range for a model with {n_layers} layers "
                                      f"(0 to {n_layers - 1})")
         plan: list[Optional[tuple[int, int]]] = [None] * n_layers
-        if self.budget is not None:
+        base_budget = self.budget if self.ratio is None else UNSIZED
+        if base_budget is not None:
             skipped = {i % n_layers for i in skip}
             own = {i % n_layers: b for i, b in budgets.items()}
             for i in full:
                 if i not in skipped:
-                    b = own.get(i, self.budget)
-                    plan[i] = (b, self.layer_recent(b))
+                    b = own.get(i, base_budget)
+                    plan[i] = (b, self.layer_recent(min(b, MIN_RATIO_BUDGET) if b == UNSIZED else b))
         base_recent = self.layer_recent(self.budget) if self.budget else self.recent or 0
         early = self.early_rule()
         rules = {i: early for i in early_layers(n_layers, full_layers) if early and plan[i] is not None}
@@ -482,7 +531,8 @@ class EvictionConfig:
         rules = rules or None
         return ResolvedEviction(self.budget, self.n_sink, base_recent, self.keep, tuple(skip), budgets or None,
                                 n_layers, full, tuple(plan), self.coverage, self.kv_bits, self.kv_group_size, rules,
-                                self.question_score, self.carry, self.spread)
+                                self.question_score, self.carry, self.spread, self.ratio, self.recent_share,
+                                self.recent)
 
     def to_dict(self) -> dict:
         """JSON-ready: ``skip_layers`` as a list (or None); ``layer_budgets`` and
@@ -491,6 +541,8 @@ class EvictionConfig:
         d["skip_layers"] = None if self.skip_layers is None else list(self.skip_layers)
         if self.early_factor is None:  # records made before the field existed keep their fingerprints
             d.pop("early_factor")
+        if self.ratio is None:
+            d.pop("ratio")
         if not self.coverage:
             d.pop("coverage")
         if self.recent_share == OLD_RECENT_SHARE:  # what every config before the field had
@@ -547,6 +599,31 @@ class ResolvedEviction:
     question_score: str = "mean"
     carry: float = 0.0
     spread: float = 0.0
+    ratio: Optional[float] = None
+    recent_share: float = OLD_RECENT_SHARE
+    fixed_recent: Optional[int] = None  # recent as the user gave it (None: recent_share of each budget)
+
+    @property
+    def sized(self) -> bool:
+        """Whether every compressed layer's budget is known (a ratio needs the document's length first)."""
+        return not any(p is not None and p[0] == UNSIZED for p in self.layers)
+
+    def for_document(self, doc_tokens: int) -> "ResolvedEviction":
+        """This layout for one document of ``doc_tokens`` evictable tokens: under ``ratio`` each
+        compressed layer keeps its tokens / ratio (:func:`ratio_budget`, at most ``budget``);
+        otherwise itself."""
+        if self.ratio is None:
+            return self
+        b = ratio_budget(doc_tokens, self.ratio, self.budget)
+        r = auto_recent(b, self.recent_share, self.n_sink) if self.fixed_recent is None else self.fixed_recent
+        return replace(self, layers=tuple(None if p is None else (b, r) for p in self.layers))
+
+    def batch_form(self) -> "ResolvedEviction":
+        """The settings rows must share to decode together: this layout with the budgets that
+        follow each document (``ratio``) left out, as a batch cache holds one per row."""
+        if self.ratio is None:
+            return self
+        return replace(self, layers=tuple(None if p is None else (UNSIZED, 0) for p in self.layers))
 
     def keep_of(self, layer: int) -> str:
         """The rule of ``layer``."""
@@ -573,6 +650,10 @@ class ResolvedEviction:
             d["question_score"], d["carry"] = self.question_score, self.carry
         if self.spread:
             d["spread"] = self.spread
+        if self.ratio is not None:  # each row's budget follows its document: the settings that decide it
+            d["ratio"], d["recent"] = self.ratio, self.fixed_recent
+            if self.fixed_recent is None:
+                d["recent_share"] = self.recent_share
         return d
 
     def __hash__(self) -> int:
@@ -625,6 +706,11 @@ class GenerationConfig:
                                         "pinned with the instructions: an instruction written before the document "
                                         "('Summarize the following...'). The template, system turn, question and "
                                         "answer are always pinned.", metavar="CHARS")
+    long_documents: str = _setting(
+        "error", "A document longer than the model's context: error = an error record naming its length, the limit "
+        "and these choices; truncate = keep its start and end (half the room each); chunk = answer the question on "
+        "each piece that fits, then once more over the pieces' answers (question rows).",
+        choices=LONG_DOCUMENTS)
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -655,6 +741,8 @@ class GenerationConfig:
             raise ValueError(f"parse_special_tokens must be true or false, got {self.parse_special_tokens!r}")
         if not _is_int(self.pin_prefix_chars) or self.pin_prefix_chars < 0:
             raise ValueError(f"pin_prefix_chars must be an integer >= 0, got {self.pin_prefix_chars!r}")
+        if self.long_documents not in LONG_DOCUMENTS:
+            raise ValueError(f"long_documents must be one of {', '.join(LONG_DOCUMENTS)}, got {self.long_documents!r}")
 
     def _check_sampling(self) -> None:
         if not _is_int(self.top_k) or self.top_k < 0:
@@ -680,7 +768,7 @@ class GenerationConfig:
 
 
 _LATER_GENERATION_FIELDS = ("top_k", "min_p", "repetition_penalty", "repetition_context_size", "system_prompt",
-                            "parse_special_tokens", "pin_prefix_chars")
+                            "parse_special_tokens", "pin_prefix_chars", "long_documents")
 
 
 @dataclass(frozen=True)

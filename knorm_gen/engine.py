@@ -106,7 +106,9 @@ class BatchEngine:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         self.model = model
         self.tok = as_tokenizer(tokenizer)
-        self.eviction = eviction
+        if not isinstance(eviction, ResolvedEviction):
+            eviction = eviction.for_model(model)
+        self.eviction = eviction.batch_form()  # what every row of the batch shares (a ratio's budgets are per row)
         self.prefill_step_size = prefill_step_size
         if seed is not None:
             mx.random.seed(seed)
@@ -125,17 +127,20 @@ class BatchEngine:
 
     def add(self, key: Hashable, ids: Sequence[int], generation: GenerationConfig, *,
             caches: Optional[list] = None, spans: Spans = ALL_EVICTABLE, prompt_tokens: Optional[int] = None,
-            question: Optional[str] = None, context_prefill_s: Optional[float] = None) -> None:
+            question: Optional[str] = None, context_prefill_s: Optional[float] = None,
+            eviction: Optional[ResolvedEviction] = None) -> None:
         """Queue a sequence: ``ids`` to feed (after ``caches``' history, if given;
-        else through fresh caches that may evict only the positions in ``spans``).
-        A layout that scores against a probe (``keep="question"``) prefills the
-        sequence alone here, after probing its instructions; the batch decodes it."""
+        else through fresh caches of ``eviction``, the row's own layout, that may evict
+        only the positions in ``spans``). A layout that scores against a probe
+        (``keep="question"``) prefills the sequence alone here, after probing its
+        instructions; the batch decodes it."""
         alone_s = 0.0
+        eviction = eviction or self.eviction
         if prompt_tokens is None:
             prompt_tokens = len(ids)
         if caches is None:
             tic = time.perf_counter()
-            caches = self.probed_caches(ids, spans)
+            caches = self.probed_caches(eviction, ids, spans)
             if probed(caches):  # pinned even for a one-token prompt: a batch cache holds no probe
                 if len(ids) > 1:
                     prefill(self.model, ids[:-1], caches, self.prefill_step_size)
@@ -145,37 +150,39 @@ class BatchEngine:
             caches=[caches],
             samplers=[make_row_sampler(generation)], logits_processors=[make_row_processors(generation)],
         )
-        self._rows[uid] = _Sequence(key, settings_dict(self.eviction, generation), prompt_tokens, question,
+        self._rows[uid] = _Sequence(key, settings_dict(eviction, generation), prompt_tokens, question,
                                     context_prefill_s, prefill_s=(context_prefill_s or 0.0) + alone_s,
                                     max_tokens=generation.max_tokens)
 
-    def probed_caches(self, ids: Sequence[int], spans: Spans = ALL_EVICTABLE,
+    def probed_caches(self, eviction: ResolvedEviction, ids: Sequence[int], spans: Spans = ALL_EVICTABLE,
                       questions: Sequence[Sequence[int]] = ()) -> list:
-        """Fresh caches for a prompt ``ids``; a layer whose rule scores against a probe
-        (``keep="question"``) gets one of the text after the document and ``questions``."""
-        return probe_caches(make_eviction_cache(self.model, self.eviction, spans), self.model, self.tok, ids, spans,
+        """Fresh caches of ``eviction`` for a prompt ``ids``; a layer whose rule scores against
+        a probe (``keep="question"``) gets one of the text after the document and ``questions``."""
+        return probe_caches(make_eviction_cache(self.model, eviction, spans), self.model, self.tok, ids, spans,
                             questions)
 
-    def prefill_context(self, ids: Sequence[int], spans: Spans = ALL_EVICTABLE,
+    def prefill_context(self, eviction: ResolvedEviction, ids: Sequence[int], spans: Spans = ALL_EVICTABLE,
                         questions: Sequence[Sequence[int]] = ()) -> tuple[list, float]:
-        """A context compressed once through a fresh cache list, in blocks: ``(caches,
-        seconds)``; ``questions`` (token ids asked after it) join the probe of a
+        """A context compressed once through a fresh cache list of ``eviction``, in blocks:
+        ``(caches, seconds)``; ``questions`` (token ids asked after it) join the probe of a
         question-aware rule (the seconds include the probe)."""
         tic = time.perf_counter()
-        caches = self.probed_caches(ids, spans, questions)
+        caches = self.probed_caches(eviction, ids, spans, questions)
         prefill(self.model, ids, caches, self.prefill_step_size)
         return caches, time.perf_counter() - tic
 
     def add_questions(self, key: Hashable, context_ids: Sequence[int], questions: Sequence[str],
                       question_ids: Sequence[Sequence[int]], generation: GenerationConfig,
-                      spans: Spans = ALL_EVICTABLE) -> None:
-        """Prefill a context once (``spans``: the document's positions in it), then
-        queue one sequence per question (key ``(key, i)``) with its own pinned copy:
-        question and answer tokens are never evicted."""
-        caches, context_s = self.prefill_context(context_ids, spans, question_ids)
+                      spans: Spans = ALL_EVICTABLE, eviction: Optional[ResolvedEviction] = None) -> None:
+        """Prefill a context once through ``eviction`` (the row's layout; ``spans``: the
+        document's positions in it), then queue one sequence per question (key ``(key, i)``)
+        with its own pinned copy: question and answer tokens are never evicted."""
+        eviction = eviction or self.eviction
+        caches, context_s = self.prefill_context(eviction, context_ids, spans, question_ids)
         for i, (q, ids) in enumerate(zip(questions, question_ids)):
             self.add((key, i), ids, generation, caches=pin_caches(copy_caches(caches)),
-                     prompt_tokens=len(context_ids) + len(ids), question=q, context_prefill_s=context_s)
+                     prompt_tokens=len(context_ids) + len(ids), question=q, context_prefill_s=context_s,
+                     eviction=eviction)
 
     def step(self) -> list[tuple[Hashable, GenerationResult]]:
         """One generator step; the sequences that finished in it."""
@@ -264,6 +271,8 @@ class Request:
     tag: Any = None
     spans: Spans = ALL_EVICTABLE
     """The document's positions in ``ids`` or ``context_ids``; the rest is pinned."""
+    long_document: Optional[dict] = None
+    """What became of a document longer than the model's context (every result of it says so)."""
 
     def __post_init__(self):
         if self.ids is None and self.spans == ALL_EVICTABLE:  # the questions and answers are never the document
@@ -280,8 +289,8 @@ class Request:
     @property
     def batch_key(self) -> tuple:
         """Requests decode together only when their caches can merge: one eviction
-        plan and one prefill step per engine."""
-        return (self.eviction, self.generation.prefill_step_size)
+        plan (the budgets that follow each document aside) and one prefill step per engine."""
+        return (self.eviction.batch_form(), self.generation.prefill_step_size)
 
 
 Outcome = Union[list[GenerationResult], Exception]
@@ -306,8 +315,20 @@ def run_jobs(model: Any, tokenizer: Any, requests: Iterable[Request], *, batch_s
     cannot fit even alone gets :class:`~knorm_gen.admission.KVMemoryExceeded` as its
     outcome (or raises it, without ``alone``)."""
     if model_support(model).batching is not None:  # this model's rows cannot decode together: one at a time
-        yield from _one_at_a_time(model, tokenizer, requests, alone, kv_limit)
-        return
+        outcomes = _one_at_a_time(model, tokenizer, requests, alone, kv_limit)
+    else:
+        outcomes = _batched(model, tokenizer, requests, batch_size, seed, alone, kv_limit)
+    for request, outcome in outcomes:
+        if not isinstance(outcome, Exception):
+            for result in outcome:
+                result.long_document = request.long_document
+        yield request, outcome
+
+
+def _batched(model: Any, tokenizer: Any, requests: Iterable[Request], batch_size: int, seed: Optional[int],
+             alone: Optional[Callable[[Request], list[GenerationResult]]],
+             kv_limit: Optional[KVLimit]) -> Iterator[tuple[Request, Outcome]]:
+    """:func:`run_jobs` for a model whose rows decode together."""
     batch = _Scheduler(model, tokenizer, batch_size, seed, alone, kv_limit)
     try:
         for request in requests:
@@ -369,10 +390,11 @@ class _Scheduler:
         self.flight[request.key] = (request, [None] * request.sequences)
         try:
             if request.ids is not None:
-                self.engine.add((request.key, 0), request.ids, request.generation, spans=request.spans)
+                self.engine.add((request.key, 0), request.ids, request.generation, spans=request.spans,
+                                eviction=request.eviction)
             else:
                 self.engine.add_questions(request.key, request.context_ids, request.questions,
-                                          request.question_ids, request.generation, request.spans)
+                                          request.question_ids, request.generation, request.spans, request.eviction)
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 - a context whose prefill fails is that request's failure
@@ -519,9 +541,12 @@ def stream_request(model: Any, tokenizer: Any, request: Request) -> Iterator[Uni
     tok = as_tokenizer(tokenizer)
     caches = probe_caches(make_eviction_cache(model, request.eviction, request.spans), model, tok, request.ids,
                           request.spans)
-    yield from _stream_ids(model, tok, request.ids, caches, generation=generation,
-                           config=settings_dict(request.eviction, generation), prompt_tokens=len(request.ids),
-                           probe_s=time.perf_counter() - tic)
+    for item in _stream_ids(model, tok, request.ids, caches, generation=generation,
+                            config=settings_dict(request.eviction, generation), prompt_tokens=len(request.ids),
+                            probe_s=time.perf_counter() - tic):
+        if isinstance(item, GenerationResult):
+            item.long_document = request.long_document
+        yield item
 
 
 def run_alone(model: Any, tokenizer: Any, request: Request) -> list[GenerationResult]:

@@ -14,6 +14,8 @@ from .config import LAYOUT_FIELDS, EvictionConfig, GenerationConfig, ResolvedEvi
 from .engine import DEFAULT_BATCH_SIZE, Request, run_jobs, stream_request
 from .prompts import Prompt, as_tokenizer, has_chat_template, check_length, context_spans, encode_with_spans, question_prompts
 from .results import GenerationResult
+from .long_documents import answer_in_pieces, fit_context, fit_prompt, needs_pieces
+from .spans import evictable_count
 from .support import check_model
 
 __all__ = [
@@ -186,32 +188,50 @@ def answer_questions(
     """
     eviction, generation = resolve_settings(model, eviction, generation, settings, tokenizer, [context])
     tok = as_tokenizer(tokenizer)
+    if isinstance(context, str) and needs_pieces(model, tok, context, _as_list(questions), generation):
+        return answer_in_pieces(model, tok, context, _as_list(questions), eviction, generation, batch_size,
+                                generation.seed)
     request = question_request(model, tok, "context", context, questions, eviction, generation)
     ((_, results),) = run_jobs(model, tok, [request], batch_size=batch_size, seed=generation.seed)
     return results
+
+
+def _as_list(questions: Any) -> list:
+    return [questions] if isinstance(questions, str) else list(questions)
 
 
 def prompt_request(model: Any, tokenizer: Any, key: Any, prompt: Prompt, eviction: ResolvedEviction,
                    generation: GenerationConfig, tag: Any = None) -> Request:
     """A :class:`~knorm_gen.engine.Request` for one prompt: its ids, checked against the
     model context, and the document's positions in them (the rest is pinned)."""
+    info = None
+    if generation.long_documents == "truncate":
+        prompt, info = fit_prompt(model, tokenizer, prompt, generation)
     ids, spans = encode_with_spans(tokenizer, prompt, generation.chat, generation.system_prompt,
                                    special=generation.parse_special_tokens,
                                    pin_prefix_chars=generation.pin_prefix_chars)
     check_length(model, len(ids))
-    return Request(key, eviction, generation, ids=ids, spans=spans, tag=tag)
+    return Request(key, eviction.for_document(evictable_count(spans, eviction.n_sink, len(ids))), generation,
+                   ids=ids, spans=spans, tag=tag, long_document=info)
 
 
 def question_request(model: Any, tokenizer: Any, key: Any, context: str, questions: Sequence[str],
                      eviction: ResolvedEviction, generation: GenerationConfig, tag: Any = None) -> Request:
     """A :class:`~knorm_gen.engine.Request` for a context and its questions: the shared
     context ids, each question's ids, and the document's positions in the context
-    (its template, system turn, questions and answers are pinned)."""
+    (its template, system turn, questions and answers are pinned). Under
+    ``long_documents="truncate"`` a document longer than the model's context keeps its start
+    and end (:mod:`knorm_gen.long_documents`)."""
+    info = None
+    if generation.long_documents == "truncate" and isinstance(context, str) and context.strip():
+        context, info = fit_context(model, tokenizer, context, [questions] if isinstance(questions, str)
+                                    else list(questions), generation)
     questions, context_ids, question_ids = question_prompts(
         model, tokenizer, context, questions, chat=generation.chat, question_separator=generation.question_separator,
         system_prompt=generation.system_prompt, special=generation.parse_special_tokens)
     spans = context_spans(tokenizer, context, context_ids, chat=_chat(tokenizer, generation),
                           system_prompt=generation.system_prompt, special=generation.parse_special_tokens,
                           pin_prefix_chars=generation.pin_prefix_chars)
-    return Request(key, eviction, generation, context_ids=context_ids, questions=questions,
-                   question_ids=question_ids, spans=spans, tag=tag)
+    doc_tokens = evictable_count(spans, eviction.n_sink, len(context_ids))
+    return Request(key, eviction.for_document(doc_tokens), generation, context_ids=context_ids, questions=questions,
+                   question_ids=question_ids, spans=spans, tag=tag, long_document=info)

@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from . import records as rec
 from .admission import default_kv_limit
+from .calibrate import settle
 from .config import EvictionConfig, GenerationConfig, RowsConfig
 from .distributed import Group, part_path, shard_of, share
 from .engine import DEFAULT_BATCH_SIZE
@@ -112,6 +113,10 @@ class BatchOptions:
     # --preset auto: the layout fields the user gave beside it (None: no auto preset); the
     # rest of the layout comes from the model's saved tuning once the model is loaded
     auto_layout: Optional[tuple] = None
+    # --calibrate N: without a saved tuning for the model (and a layout set by the user), the
+    # layout is chosen by measuring the quick candidates on the first N rows' documents
+    # (knorm_gen.calibrate), saved as the model's tuning, and runs every row
+    calibrate: Optional[int] = None
 
     def run_config(self) -> dict:
         """What the run options that change outputs add to every record's ``config`` (and
@@ -151,6 +156,9 @@ class BatchOptions:
             raise BatchUsageError(f"limit must be an integer >= 0, got {self.limit!r}")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise BatchUsageError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
+        if self.calibrate is not None and (isinstance(self.calibrate, bool) or not isinstance(self.calibrate, int)
+                                           or self.calibrate < 1):
+            raise BatchUsageError(f"calibrate must be a number of rows >= 1, got {self.calibrate!r}")
 
 
 @dataclass
@@ -185,6 +193,7 @@ class BatchSummary:
     kv_peak_bytes: int = 0  # the most the rows in flight could reach at once in this run
     first_errors: list = field(default_factory=list)  # the first FIRST_ERRORS failed rows: id, line, type, message
     warnings: list = field(default_factory=list)  # said once per run (no rows, a budget far below the prompts)
+    layout: Optional[dict] = None  # --calibrate: {"name", "why"} of the layout that ran
 
     @property
     def exit_code(self) -> int:
@@ -227,6 +236,8 @@ class BatchSummary:
                      f"{self.generated_tokens_per_s:.1f} tokens/s generated")
         if self.kv_memory:
             lines.append(f"  {self.kv_memory}")
+        if self.layout:
+            lines.append(f"  layout: {self.layout['name']}: {self.layout['why']}")
         if self.kv_limit_bytes:
             lines.append(f"  KV memory in flight: peak {mib(self.kv_peak_bytes)} of the {mib(self.kv_limit_bytes)} "
                          "limit (--max-kv-memory)")
@@ -369,6 +380,7 @@ class _Prepared:
     limit: Optional[int] = None
     items: int = 0  # rows and bad lines in the whole input (0: an empty input)
     layout_note: Optional[str] = None  # --preset auto: which layout runs and where it came from
+    layout: Optional[dict] = None  # --calibrate: {"name", "why"} for the summary and each record's meta
 
 
 def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokenizer, progress, log, stdout,
@@ -377,7 +389,7 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
     files = _Files.plan(input_path, output_path, options, group)
     progress = progress and group.rank == 0  # rank 0 shows the bar; the others speak only of errors
     with Signals(log) as signals:
-        ready = _prepare(files, options, model, tokenizer, group)
+        ready = _prepare(files, options, model, tokenizer, group, log if progress else None)
         try:
             try:
                 plan = plan_run(files, ready.wanted, accept_old=options.accept_old_records,
@@ -399,7 +411,8 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
         memory = ready.memory
         summary = BatchSummary(input=files.input, output=files.output, model=options.model,
                                kv_ceiling_bytes=memory.ceiling_bytes,
-                               kv_growth_bytes_per_token=memory.growth_bytes_per_token, kv_memory=memory.describe())
+                               kv_growth_bytes_per_token=memory.growth_bytes_per_token, kv_memory=memory.describe(),
+                               layout=ready.layout)
         if progress:
             if ready.layout_note:
                 log(ready.layout_note)
@@ -428,9 +441,11 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
     return summary
 
 
-def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Group) -> _Prepared:
-    """Every check before work: files, locks, the model, the settings, the input's
-    rows. In a group, every rank hears of any rank's failure and stops with it."""
+def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Group,
+             log: Optional[Callable[[str], None]] = None) -> _Prepared:
+    """Every check before work: files, locks, the model, the settings (the layout
+    settled: --preset auto, --calibrate), the input's rows. In a group, every rank hears
+    of any rank's failure and stops with it."""
     source, locks, error, ready = None, [], None, None
     try:
         files.check(options, group)
@@ -442,20 +457,24 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
         if model is None:
             model, tokenizer = _load(options)
         tokenizer = prepare_tokenizer(tokenizer, options)
-        eviction, note = options.eviction, None
-        if options.auto_layout is not None:
+        eviction, note, layout = options.eviction, None, None
+        if options.calibrate:
+            settled = settle(model, tokenizer, options, _first_documents(source), distributed=group.distributed,
+                             log=log)
+            eviction, note, layout = settled.eviction, settled.note, settled.layout
+        elif options.auto_layout is not None:
             ratio = run_ratio(tokenizer, _first_documents(source), options.eviction.budget)
             eviction, note = auto_config(model, options.eviction, options.auto_layout, ratio)
         try:
             runner = _Runner(model, tokenizer, model_spec=options.model, eviction=eviction,
                              generation=options.generation, batch_size=options.batch_size, rows=options.rows,
                              kv_limit_bytes=options.max_kv_memory or default_kv_limit(),
-                             run_config=options.run_config())
+                             run_config=options.run_config(), layout=layout)
         except ValueError as e:
             raise BatchUsageError(str(e)) from None
         memory = kv_memory(model, runner.base.eviction)
         wanted, total, items = _scan_rows(source, runner, options.limit, group)
-        ready = _Prepared(source, locks, runner, memory, wanted, total, options.limit, items, note)
+        ready = _Prepared(source, locks, runner, memory, wanted, total, options.limit, items, note, layout)
     except KeyboardInterrupt:
         error = Interrupted()
     except BaseException as e:  # noqa: BLE001 - in a group, every rank must hear of it (below)
@@ -478,11 +497,24 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
 
 class _Runner(RowRunner):
     """The row runner, with the run options that change outputs (:meth:`BatchOptions.run_config`)
-    in every record's ``config``, and so in its fingerprint."""
+    in every record's ``config``, and so in its fingerprint; under ``--calibrate``, the layout
+    that ran and why (``layout``) in the ``meta`` of each row's record (meta is not part of
+    the fingerprint, and a row's own ``layout`` field stays)."""
 
-    def __init__(self, *args: Any, run_config: dict, **kwargs: Any):
-        self.run_config = run_config
+    def __init__(self, *args: Any, run_config: dict, layout: Optional[dict] = None, **kwargs: Any):
+        self.run_config, self.layout = run_config, layout
         super().__init__(*args, **kwargs)
+
+    def result_record(self, row: Row, settings: RowSettings, results: list) -> dict:
+        return self._with_layout(super().result_record(row, settings, results))
+
+    def failure_record(self, row: Row, settings: Optional[RowSettings], e: BaseException) -> dict:
+        return self._with_layout(super().failure_record(row, settings, e))
+
+    def _with_layout(self, record: dict) -> dict:
+        if self.layout is not None:
+            record["meta"] = {"layout": self.layout, **(record.get("meta") or {})}
+        return record
 
     def settings_for(self, overrides: dict) -> RowSettings:
         settings = super().settings_for(overrides)
@@ -579,6 +611,7 @@ def combine_summaries(summaries: list[dict], files: _Files) -> BatchSummary:
     errors = sorted((e for s in summaries for e in s.get("first_errors", ())), key=lambda e: e.get("line") or 0)
     total.first_errors = errors[:FIRST_ERRORS]
     total.warnings = list(dict.fromkeys(w for s in summaries for w in s.get("warnings", ())))
+    total.layout = first.get("layout")
     total.ranks = [{k: s[k] for k in ("rows", "ok", "failed", "skipped", "tokens_seen", "generated_tokens",
                                       "wall_s", "generated_tokens_per_s")} for s in summaries]
     return total

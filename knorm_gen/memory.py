@@ -18,6 +18,7 @@ import mlx.nn as nn
 from .cache import EvictionKVCache, make_eviction_cache
 from .config import EvictionConfig, ResolvedEviction
 from .mlx_compat import KVCache
+from .spans import span_positions
 
 
 @dataclass
@@ -40,12 +41,19 @@ class CacheStats:
     compressed_layers: int
     ceiling_bytes: Optional[int] = None
     tokens_pinned: int = 0
+    document_full_bytes: int = 0
+    document_kept_bytes: int = 0
 
     @property
     def compression_ratio(self) -> float:
-        """Bytes a full-precision full cache would hold over the bytes held (eviction
-        times quantization)."""
-        return self.full_bytes / self.kept_bytes if self.kept_bytes else 1.0
+        """The document's compression: the bytes a full-precision full cache would hold for the
+        document's positions over the bytes held of them, over every attention layer (eviction
+        times quantization; a layer that keeps every token counts at full size). The pinned
+        tokens (template, question, answer), held whole, are left out of both, so under
+        ``ratio=R`` this is R (times any quantization). 1.0 when nothing is evicted."""
+        if not self.document_kept_bytes:
+            return 1.0
+        return self.document_full_bytes / self.document_kept_bytes
 
     @property
     def token_ratio(self) -> float:
@@ -85,8 +93,10 @@ def cache_stats(caches: Iterable[Any], ceiling_at: Optional[int] = None) -> Cach
     """Honest accounting over every layer (skipped layers count at full size).
     ``ceiling_at``: the positions the row can reach (prompt plus ``max_tokens``),
     for its ceiling; default, those fed so far."""
+    caches = list(caches)
     seen = kept = kept_b = full_b = compressed = ceiling = pinned = 0
     bounded = True
+    doc_full, doc_kept = _document_bytes(caches)
     for c in caches:
         s, kb, fb, row = _layer_bytes(c)
         seen = max(seen, s)
@@ -103,7 +113,31 @@ def cache_stats(caches: Iterable[Any], ceiling_at: Optional[int] = None) -> Cach
             kept = c.tokens_kept if compressed == 1 else min(kept, c.tokens_kept)
             pinned = c.tokens_pinned
     return CacheStats(seen, kept if compressed else seen, kept_b, full_b, compressed, ceiling if bounded else None,
-                      pinned)
+                      pinned, doc_full, doc_kept)
+
+
+def _document_bytes(caches: list) -> tuple[int, int]:
+    """``(full, kept)`` bytes of the document's positions (inside the row's spans) over every
+    layer that holds them per position: an eviction layer its kept document tokens; a layer that
+    keeps every token all of them; a sliding-window layer those of its window that are not
+    pinned. The spans are the eviction layers' (one row's: every such layer has them)."""
+    evicting = [c for c in caches if isinstance(c, EvictionKVCache) and c.bounded and c.keys is not None]
+    if not evicting:
+        return 0, 0
+    outside = evicting[0].offset - span_positions(evicting[0].row_spans, evicting[0].offset)  # all held, always
+    full = kept = 0
+    for c in caches:
+        seen, _, _, row = _layer_bytes(c)
+        if not row:
+            continue
+        doc_seen = max(seen - outside, 0)
+        if isinstance(c, EvictionKVCache):
+            full += doc_seen * c.full_precision_bytes_per_position()
+            kept += max(c.tokens_kept - outside, 0) * c.bytes_per_position()
+        else:
+            full += doc_seen * row
+            kept += min(doc_seen, max(c.size() - outside, 0) if layer_capacity(c) else doc_seen) * row
+    return full, kept
 
 
 @dataclass
@@ -127,6 +161,15 @@ class KVMemory:
     def growth_bytes_per_token(self) -> int:
         """Bytes every further token adds once the bounded layers are full."""
         return sum(row for row, cap in self.layers if cap is None)
+
+    def for_plan(self, eviction: "ResolvedEviction") -> "KVMemory":
+        """The same layers with each compressed one's capacity the budget ``eviction`` plans for it
+        (a row whose budget follows its document)."""
+        if eviction.ratio is None or not eviction.sized:
+            return self
+        layers = [(row, plan[0] if plan is not None and cap is not None else cap)
+                  for (row, cap), plan in zip(self.layers, eviction.layers)]
+        return KVMemory(layers, self.kv_bits, self.kv_group_size)
 
     def bytes_at(self, tokens: int) -> int:
         """KV bytes held after ``tokens`` positions."""
@@ -153,9 +196,18 @@ class KVMemory:
                 f"{self.bytes_at(8192) / 2**20:.1f} MiB at 8192 tokens)")
 
 
-def kv_memory(model: nn.Module, config: Union[EvictionConfig, ResolvedEviction, None] = None) -> KVMemory:
+def kv_memory(model: nn.Module, config: Union[EvictionConfig, ResolvedEviction, None] = None,
+              doc_tokens: Optional[int] = None) -> KVMemory:
     """The KV memory ``config`` implies for ``model`` (one token through fresh caches
-    gives each layer's bytes per position in the dtype the model really caches)."""
+    gives each layer's bytes per position in the dtype the model really caches). A budget
+    that follows the document (``ratio``) is taken for a document of ``doc_tokens``
+    (default: the model's context length, the longest a row can be)."""
+    if not isinstance(config, ResolvedEviction):
+        config = (config or EvictionConfig()).for_model(model)
+    if not config.sized:
+        from .models import model_context_length
+
+        config = config.for_document(doc_tokens or model_context_length(model) or 8192)
     caches = make_eviction_cache(model, config, ())  # the token pinned: nothing to score, no probe needed
     model(mx.array([[0]]), cache=caches)
     mx.eval([c.state for c in caches])

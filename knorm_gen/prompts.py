@@ -233,10 +233,14 @@ def _render_as_text(tokenizer: Any, messages: Sequence[dict], *, until: Optional
 
 
 def check_length(model: Any, n_prompt: int) -> None:
-    """Raise :class:`PromptTooLongError` when ``n_prompt`` tokens exceed the model context."""
+    """Raise :class:`PromptTooLongError` when ``n_prompt`` tokens exceed the model context;
+    the message names the length, the limit and the fixes."""
     ctx = model_context_length(model)
     if ctx is not None and n_prompt > ctx:
-        raise PromptTooLongError(f"prompt has {n_prompt} tokens, longer than the model context of {ctx} tokens")
+        raise PromptTooLongError(
+            f"the prompt has {n_prompt} tokens, more than the model's context of {ctx} tokens: choose "
+            f"--long-documents truncate (keep the document's start and end) or chunk (question rows: answer the "
+            f"question on each piece that fits, then over the pieces' answers), or a model with a longer context")
 
 
 def _common_prefix(first: Sequence[int], *others: Sequence[int]) -> int:

@@ -41,7 +41,8 @@ STATS_FIELDS = (
     "compression_ratio", "token_ratio", "kept_bytes", "full_bytes", "kv_ceiling_bytes", "prefill_s", "decode_s", "prompt_tps", "generation_tps",
     "peak_memory_gb",
 )
-RECORD_FIELDS = ("id", "completion", "answers", *STATS_FIELDS, "model", "config", "meta", "fingerprint", "error")
+RECORD_FIELDS = ("id", "completion", "answers", *STATS_FIELDS, "long_document", "model", "config", "meta", "fingerprint",
+                 "error")
 ANSWER_FIELDS = ("question", "answer", "finish_reason", "prompt_tokens", "generated_tokens", "tokens_seen",
                  "tokens_kept", "compression_ratio", "prefill_s", "decode_s", "generation_tps")
 

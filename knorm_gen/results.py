@@ -52,6 +52,9 @@ class GenerationResult:
     ``finish_reason`` is ``"stop"``)."""
     tokens_pinned: int = 0
     token_ratio: float = 1.0
+    long_document: Optional[dict] = None
+    """What became of a document longer than the model's context (``long_documents``:
+    :mod:`knorm_gen.long_documents`); None when it fit."""
 
     def to_dict(self) -> dict:
         """A JSON-serialisable dict."""

@@ -18,6 +18,7 @@ from .admission import KVLimit, KVMemoryExceeded
 from .config import EvictionConfig, GenerationConfig, ResolvedEviction, RowsConfig, make_configs, settings_dict
 from .engine import Outcome, Request, run_alone, run_jobs
 from .generate import prompt_request, question_request
+from .long_documents import answer_in_pieces, needs_pieces
 from .mlx_compat import kv_head_dims
 from .support import model_support
 from .quant import check_head_dims
@@ -110,6 +111,7 @@ class RowRunner:
         record["fingerprint"] = self.fingerprint(row)
         numbers = rec.question_numbers(results) if row.kind == "questions" else rec.completion_numbers(results[0])
         record.update(numbers)
+        record["long_document"] = results[0].long_document
         return rec.finite(record)
 
     # ---- the loop ----------------------------------------------------------------------
@@ -157,6 +159,8 @@ class RowRunner:
         settings = None
         try:
             settings = self.settings_for(row.overrides)
+            if self._in_pieces(row, settings):
+                return self.result_record(row, settings, self._pieces(row, settings))
             request = self._request(row, settings)  # encoded once: the memory check and the generation share it
             if self.kv is not None:
                 self.kv.check_alone(request)
@@ -185,11 +189,22 @@ class RowRunner:
             settings = None
             try:
                 settings = self.settings_for(row.overrides)
+                if self._in_pieces(row, settings):  # read in pieces now: its own small batches, then its record
+                    emit(self.result_record(row, settings, self._pieces(row, settings)), row.line)
+                    continue
                 request = self._request(row, settings)
             except Exception as e:  # noqa: BLE001 - a bad row never enters a batch
                 emit(self.failure_record(row, settings, e), row.line)
             else:
                 yield request
+
+    def _in_pieces(self, row: Row, settings: RowSettings) -> bool:
+        return row.kind == "questions" and needs_pieces(self.model, self.tokenizer, row.context, row.questions,
+                                                        settings.generation)
+
+    def _pieces(self, row: Row, settings: RowSettings) -> list:
+        return answer_in_pieces(self.model, self.tokenizer, row.context, row.questions, settings.eviction,
+                                settings.generation, self.batch_size, settings.generation.seed)
 
     def _request(self, row: Row, settings: RowSettings) -> Request:
         if row.kind == "questions":

@@ -47,6 +47,11 @@ def evictable_count(spans: Spans, n_sink: int, seen: int) -> int:
     return max(seen - n_sink, 0) - pinned_count(spans, n_sink, seen)
 
 
+def span_positions(spans: Spans, seen: int) -> int:
+    """Positions before ``seen`` inside ``spans``: the document's, sinks among them."""
+    return sum(max(min(b, seen) - a, 0) for a, b in spans)
+
+
 def pin_from(spans: Spans, at: int) -> Spans:
     """``spans`` with every position from ``at`` on pinned."""
     return tuple((a, min(b, at)) for a, b in spans if a < at)

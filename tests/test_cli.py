@@ -291,6 +291,8 @@ def test_early_factor_bounds_memory_and_says_so(tmp_path, loaded_model):
 # and what the record's effective config then says (early_factor shows as the layout it sets).
 FIELD_VALUES = {
     "budget": ("24", 24, "budget", 24),
+    "ratio": ("4", 4.0, "ratio", 4.0),
+    "long_documents": ("truncate", "truncate", "long_documents", "truncate"),
     "n_sink": ("2", 2, "n_sink", 2),
     "recent": ("5", 5, "recent", 5),
     "keep": ("high", "high", "keep", "high"),

@@ -60,7 +60,10 @@ def test_eviction_accounting_against_independent_counts(model_and_tokenizer):
     full = N_LAYERS * r.tokens_seen * ROW_BYTES
     kept = 2 * r.tokens_seen * ROW_BYTES + (N_LAYERS - 2) * held * ROW_BYTES
     assert (r.full_bytes, r.kept_bytes) == (full, kept)
-    assert r.compression_ratio == pytest.approx(full / kept)
+    # the compression is the document's: its own positions, the pinned ones (held whole) left out of both
+    start, end = document_span(tok, chat_ids(tok, text), text)
+    doc, pinned = end - start, r.tokens_seen - (end - start)
+    assert r.compression_ratio == pytest.approx(N_LAYERS * doc / (2 * doc + (N_LAYERS - 2) * (held - pinned)))
     assert r.prefill_s > 0 and r.decode_s > 0 and r.peak_memory_gb > 0
     assert r.config["budget"] == budget and r.config["skip_layers"] == [0, 1]
 
@@ -197,7 +200,7 @@ def test_empty_and_too_long_prompts(model_and_tokenizer):
         generate_with_eviction(model, tok, "   ")
     with pytest.raises(ValueError, match="empty"):
         generate_with_eviction(model, tok, [])
-    with pytest.raises(PromptTooLongError, match="longer than the model context of 8192"):
+    with pytest.raises(PromptTooLongError, match="more than the model's context of 8192 tokens: choose --long-documents truncate"):
         generate_with_eviction(model, tok, [42] * 8193)
     with pytest.raises(PromptTooLongError):
         answer_questions(model, tok, "word " * 9000, ["why?"])

@@ -55,7 +55,7 @@ def run(tmp_path, rows, name="in.jsonl", **kw):
 # Every record's keys, in this order (README, "Output records"; tokens_pinned after tokens_kept).
 FIELDS = ("id", "completion", "answers", "finish_reason", "prompt_tokens", "generated_tokens", "tokens_seen",
           "tokens_kept", "tokens_pinned", "compression_ratio", "token_ratio", "kept_bytes", "full_bytes", "kv_ceiling_bytes",
-          "prefill_s", "decode_s", "prompt_tps", "generation_tps", "peak_memory_gb", "model", "config", "meta",
+          "prefill_s", "decode_s", "prompt_tps", "generation_tps", "peak_memory_gb", "long_document", "model", "config", "meta",
           "fingerprint", "error")
 
 
@@ -111,7 +111,10 @@ def test_records_match_hand_built_records_and_share_one_shape(tmp_path, mt):
     want = expected_prompt_record(tok, ids, "Name a colour.", tokens, 16)
     assert want["tokens_kept"] < want["tokens_seen"]  # this row does evict
     assert {k: p[k] for k in want} == want
-    assert p["compression_ratio"] == pytest.approx(p["full_bytes"] / p["kept_bytes"])
+    # the compression is the document's own: its positions seen over those kept (the pinned ones, held whole, aside)
+    start, end = document_span(tok, ids, "Name a colour.")
+    outside = want["tokens_seen"] - (end - start)
+    assert p["compression_ratio"] == pytest.approx((end - start) / (want["tokens_kept"] - outside))
     assert p["token_ratio"] == pytest.approx(want["tokens_seen"] / want["tokens_kept"])
     assert p["meta"] == {"source": "test"} and p["model"] == MODEL["spec"] and p["error"] is None
     # the default bounds every layer with the question rule, a quarter of the budget recent, no coverage
@@ -152,7 +155,7 @@ def test_prompt_longer_than_context_is_a_record_and_the_run_goes_on(tmp_path, mt
     summary, out = run(tmp_path, rows, options={"batch_size": 4})
     by_id = {r["id"]: r for r in read_records(out)}
     huge, ok, conflict = by_id["huge"], by_id["ok"], by_id["conflict"]
-    assert huge["error"]["type"] == "prompt_too_long" and "longer than the model context" in huge["error"]["message"]
+    assert huge["error"]["type"] == "prompt_too_long" and "more than the model's context" in huge["error"]["message"]
     assert ok["error"] is None
     assert conflict["error"]["type"] == "invalid_row" and "n_sink + recent must be < budget" in conflict["error"]["message"]
     assert summary.errors == {"prompt_too_long": 1, "invalid_row": 1}

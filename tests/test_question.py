@@ -221,7 +221,7 @@ def test_a_compressed_context_keeps_the_numpy_ranking_of_its_probe(tiny_loaded):
     request = question_request(model, tok, "k", CONTEXT, [QUESTION], eviction, GenerationConfig(max_tokens=4))
     ids, (start, end) = request.context_ids, request.spans[0]
     engine = BatchEngine(model, tok, eviction)
-    caches, _ = engine.prefill_context(ids, request.spans, request.question_ids)
+    caches, _ = engine.prefill_context(request.eviction, ids, request.spans, request.question_ids)
     probe = make_probe(model, tok, ids, request.spans, request.question_ids)
     pieces = [int(x) for x in np.array(probe[0].pieces)[0]]
     # independent pieces: split the decoded tokens at sentence ends and line breaks (16 at most)
