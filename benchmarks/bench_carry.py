@@ -14,7 +14,7 @@ import statistics
 import knorm_gen  # noqa: F401  (BLAS preload first)
 from knorm_gen import EvictionConfig, answer_questions
 from knorm_gen.models import load_model
-from knorm_gen.tune import head_tokens
+from knorm_gen.evaluate import head_tokens
 
 from documents import documents
 

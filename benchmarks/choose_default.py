@@ -25,7 +25,8 @@ from pathlib import Path
 
 import knorm_gen  # noqa: F401  (BLAS preload first)
 from knorm_gen.models import load_model
-from knorm_gen.tune import CANDIDATES, Doc, Tuner, head_tokens, run, summarize
+from knorm_gen.evaluate import Doc, head_tokens, summarize
+from knorm_gen.layouts import CANDIDATES
 
 from documents import documents, installed_readmes  # benchmarks/documents.py
 from rule_switches import add_rule_switches, apply_rule_switches
@@ -107,7 +108,7 @@ def report(paths, first: str = "question_rec25") -> str:
     return "\n".join(out)
 
 
-def reuse_full_rows(tuner: Tuner, pattern: str, model: str, modes: tuple) -> None:
+def reuse_full_rows(tuner, pattern: str, model: str, modes: tuple) -> None:
     """Answer the full cache's pass-key cases from earlier results files of this model
     (``pattern``, a glob) where each mode asked was run there; a reused row whose prompt
     length differs from this run's is an error (not the same case)."""
@@ -166,6 +167,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--add-to", default="", help="a results file to continue (its finished cases are kept)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
+    raise SystemExit("choose_default.py measured through knorm_gen.tune's Tuner (separate fidelity, pass-key and "
+                     "perplexity passes), removed in 0.13: measure with benchmarks/grid.py (knorm_gen.evaluate); "
+                     "--report still reads this script's results files")
     apply_rule_switches(args)
     if args.probe_sink >= 0:
         import knorm_gen.question

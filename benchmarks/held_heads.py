@@ -7,7 +7,7 @@
 
 A diagnosis, not a score: it replays a ``choose_default.py`` file's pass-key cases asked after the
 context (``ctq``; each README cut to ``--key-doc-tokens``, the key sentence placed as the file's
-run placed it), prefills each through the product's caches (``Tuner.caches``, the same path as
+run placed it), prefills each through the product's caches (``Evaluator.caches``, the same path as
 ``choose_default.py``), and reports per bounded layer and KV head how many of the key sentence's
 tokens (``knorm_gen.tune.needle``: the key, "Remember it.", the key again) the head still holds,
 with the answer the arm then gives. Unlike ``layer_retention.py`` (one selection over the whole
@@ -22,7 +22,8 @@ import knorm_gen  # noqa: F401  (BLAS preload first)
 import numpy as np
 from knorm_gen.models import load_model
 from knorm_gen.scores import rank_positions
-from knorm_gen.tune import CANDIDATES, Tuner, head_tokens, needle, with_needle
+from knorm_gen.evaluate import Evaluator, head_tokens, needle, with_needle
+from knorm_gen.layouts import CANDIDATES
 
 from documents import installed_readmes
 
@@ -65,7 +66,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--cases-from {args.cases_from}: no ctq pass-key case on a README"
                          + (f" named {sorted(want)}" if want else ""))
     model, tok = load_model(None if args.model == "default" else args.model)
-    tuner = Tuner(model, tok, {a: CANDIDATES[a] for a in arms}, ratio=args.ratio)
+    tuner = Evaluator(model, tok, {a: CANDIDATES[a] for a in arms}, ratio=args.ratio)
     texts = {d.name: head_tokens(tok, d.text, args.key_doc_tokens)
              for d in installed_readmes(sorted({c[0].split(":", 1)[1] for c in cases}))}
     out_rows = []

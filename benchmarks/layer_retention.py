@@ -46,7 +46,7 @@ from knorm_gen import question as Q
 from knorm_gen.mlx_compat import full_attention_layers, record_attention
 from knorm_gen.models import load_model
 from knorm_gen.prompts import as_tokenizer, context_spans, has_chat_template, split_question_prompts
-from knorm_gen.tune import KEY_CUE, KEY_QUESTION, Doc, head_tokens, needle, passkey_cases
+from knorm_gen.evaluate import KEY_CUE, KEY_QUESTION, Doc, head_tokens, needle, passkey_cases
 
 from choose_default import SPLIT_FILLERS
 from documents import documents, installed_readmes

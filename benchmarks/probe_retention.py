@@ -35,7 +35,7 @@ import mlx.core as mx, numpy as np
 from knorm_gen.models import load_model
 from knorm_gen.mlx_compat import record_attention, full_attention_layers
 from knorm_gen.prompts import as_tokenizer, has_chat_template, split_question_prompts
-from knorm_gen.tune import KEY_CUE, KEY_QUESTION, Doc, head_tokens, needle, passkey_cases
+from knorm_gen.evaluate import KEY_CUE, KEY_QUESTION, Doc, head_tokens, needle, passkey_cases
 from knorm_gen import question as Q
 from documents import documents, installed_readmes
 from whole_prompt_keys import token_range

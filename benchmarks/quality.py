@@ -68,7 +68,7 @@ from knorm_gen import EvictionConfig, L2NormKVCache, cache_stats, make_eviction_
 from knorm_gen import answer_questions
 from knorm_gen.cache import copy_caches, pin_caches
 from knorm_gen.engine import prefill
-from knorm_gen.tune import answer_nll, cut_repetition  # the tuner's fidelity, shared
+from knorm_gen.evaluate import answer_nll, cut_repetition  # the tuner's fidelity, shared
 from knorm_gen.config import PRESETS, early_layers as default_skip_layers
 from knorm_gen.mlx_compat import full_attention_layers
 from knorm_gen.corpus import pydoc_sections, text_of_tokens

@@ -65,9 +65,11 @@ from knorm_gen.engine import prefill
 from knorm_gen.models import load_model
 from knorm_gen.prompts import context_spans, has_chat_template, split_question_prompts
 from knorm_gen.question import LOCAL, make_probe, probe_queries, question_scores, segment_ids
-from knorm_gen.tune import (CANDIDATES, FILLERS, KEY_CUE, KEY_QUESTION, SUMMARY_QUESTION, Doc, _greedy, answer_nll,
-                            copy_caches, cut_repetition, filler_text, head_tokens,
-                            with_needle)
+from knorm_gen.cache import copy_caches
+from knorm_gen.evaluate import (FILLERS, KEY_CUE, KEY_QUESTION, SUMMARY_QUESTION, Doc, answer_nll, cut_repetition,
+                                filler_text, head_tokens, with_needle)
+from knorm_gen.evaluate import greedy_ids as _greedy
+from knorm_gen.layouts import CANDIDATES
 
 from documents import documents  # benchmarks/documents.py
 

@@ -35,7 +35,8 @@ import knorm_gen  # noqa: F401  (BLAS preload first)
 from knorm_gen import EvictionConfig, answer_questions, generate_with_eviction
 from knorm_gen.models import load_model
 from knorm_gen.prompts import as_tokenizer, has_chat_template
-from knorm_gen.tune import CANDIDATES, FILLERS, KEY_CUE, KEY_QUESTION, filler_text, with_needle
+from knorm_gen.evaluate import FILLERS, KEY_CUE, KEY_QUESTION, filler_text, with_needle
+from knorm_gen.layouts import CANDIDATES
 
 from rule_switches import add_rule_switches, apply_rule_switches
 

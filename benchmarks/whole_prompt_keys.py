@@ -35,7 +35,9 @@ from knorm_gen.engine import prefill
 from knorm_gen.models import load_model
 from knorm_gen.mlx_compat import full_attention_layers
 from knorm_gen.prompts import as_tokenizer, encode_with_spans, has_chat_template, split_question_prompts
-from knorm_gen.tune import CANDIDATES, KEY_CUE, KEY_QUESTION, Doc, _greedy, head_tokens, needle, passkey_cases
+from knorm_gen.evaluate import KEY_CUE, KEY_QUESTION, Doc, head_tokens, needle, passkey_cases
+from knorm_gen.evaluate import greedy_ids as _greedy
+from knorm_gen.layouts import CANDIDATES
 
 from documents import documents, installed_readmes  # benchmarks/documents.py
 
