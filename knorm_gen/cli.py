@@ -53,6 +53,7 @@ from .job import (
     prepare_tokenizer,
     run_batch,
 )
+from .support import describe_model
 from .layouts import CANDIDATES, describe
 from .memory import kv_memory
 from .models import get_model
@@ -527,7 +528,8 @@ def generate_command(ctx: click.Context, prompt: str, model: str, preset: Option
     except (BatchUsageError, ValueError) as e:
         raise UsageFailure(str(e)) from None
     if verbose:
-        click.echo(f"knorm-generate: model {model}; {kv_memory(loaded, resolved).describe()}", err=True)
+        click.echo(f"knorm-generate: {describe_model(loaded, model)}", err=True)
+        click.echo(f"knorm-generate: {kv_memory(loaded, resolved).describe()}", err=True)
     result = None
     try:
         pieces = stream_with_eviction(loaded, tokenizer, text, eviction=resolved, generation=generation)

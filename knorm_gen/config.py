@@ -846,6 +846,24 @@ spread evenly, the recent half, every layer bounded. ``auto``: the layout ``knor
 saved for the model (the default without one)."""
 
 
+def legacy_spelling(config: dict) -> Optional[dict]:
+    """A record's ``config`` as it was written before the question rule's reading and carried
+    share were settings (``keep="question_both_carry"`` and its siblings; a plain ``question``
+    meant the best reading without carry), or None when no older spelling means the same:
+    resume reads records written so as the same settings (:data:`LEGACY_RULES`)."""
+    if config.get("keep") != "question" or "question_score" not in config or "carry" not in config:
+        return None
+    wanted = {"question_score": config["question_score"], "carry": config["carry"]}
+    names = [name for name, fields in LEGACY_RULES.items()
+             if {k: fields[k] for k in wanted} == wanted] or (["question"] if wanted == {"question_score": "best",
+                                                                                      "carry": 0.0} else [])
+    if not names:
+        return None
+    old = {k: v for k, v in config.items() if k not in wanted}
+    old["keep"] = names[0]
+    return old
+
+
 def make_configs(eviction: Optional[EvictionConfig] = None, generation: Optional[GenerationConfig] = None,
                  *, preset: Optional[str] = None, **settings: Any) -> tuple[EvictionConfig, GenerationConfig]:
     """``(eviction, generation)`` from optional configs plus keyword fields of

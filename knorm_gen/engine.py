@@ -37,6 +37,12 @@ from .spans import ALL_EVICTABLE, Spans, pin_from
 from .results import GenerationResult
 from .support import model_support
 
+PREFILL_TOGETHER = False
+"""Whether a probed prompt (the question rule) is prefilled with the other rows of its batch
+(right-padded, as mlx_lm's batch prefill does) or alone before it joins them: the faster of the
+two on the measured machine (benchmarks/cost.py; docs/results.md). A row's result is the same
+either way (tests/test_engine.py)."""
+
 DEFAULT_BATCH_SIZE = 8
 """Rows decoded together by default (benchmarks/bench_batch.py; README, Results)."""
 
@@ -101,7 +107,7 @@ class BatchEngine:
 
     def __init__(self, model: Any, tokenizer: Any, eviction: ResolvedEviction, *,
                  batch_size: int = DEFAULT_BATCH_SIZE, prefill_step_size: int = DEFAULT_PREFILL_STEP,
-                 seed: Optional[int] = None):
+                 seed: Optional[int] = None, prefill_together: bool = PREFILL_TOGETHER):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         self.model = model
@@ -110,6 +116,7 @@ class BatchEngine:
             eviction = eviction.for_model(model)
         self.eviction = eviction.batch_form()  # what every row of the batch shares (a ratio's budgets are per row)
         self.prefill_step_size = prefill_step_size
+        self.prefill_together = prefill_together
         if seed is not None:
             mx.random.seed(seed)
         self._gen = BatchGenerator(
@@ -141,7 +148,8 @@ class BatchEngine:
         if caches is None:
             tic = time.perf_counter()
             caches = self.probed_caches(eviction, ids, spans)
-            if probed(caches):  # pinned even for a one-token prompt: a batch cache holds no probe
+            alone_s = time.perf_counter() - tic  # the probe
+            if probed(caches) and not self.prefill_together:
                 if len(ids) > 1:
                     prefill(self.model, ids[:-1], caches, self.prefill_step_size)
                 caches, ids, alone_s = pin_caches(caches), ids[-1:], time.perf_counter() - tic

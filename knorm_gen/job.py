@@ -63,6 +63,7 @@ from .models import ModelUsageError, get_model, with_run_options
 from .resume import Outputs, ResumePlan, Wanted, merge_group, plan_run
 from .rows import Row
 from .runner import RowRunner, RowSettings
+from .support import describe_model
 from .tune import auto_config, run_ratio
 from .sources import InputSource, open_source
 from .sink import FIRST_ERRORS, Interrupted, Signals, Sink, row_name, stderr_log
@@ -414,6 +415,7 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
                                kv_growth_bytes_per_token=memory.growth_bytes_per_token, kv_memory=memory.describe(),
                                layout=ready.layout)
         if progress:
+            log(describe_model(ready.runner.model, options.model))
             if ready.layout_note:
                 log(ready.layout_note)
             log(memory.describe())  # before a long job: is this configuration bounded?
@@ -582,7 +584,8 @@ def _finish_group(files: _Files, ready: _Prepared, plan: ResumePlan, summary: Ba
 
     with group.during("the merge"):
         total = combine_summaries(group.gather_json(summary.to_dict()), files)
-    merge_group(files, items, plan, ready.wanted.expected, options.accept_old_records, group)
+    merge_group(files, items, plan, ready.wanted.expected, options.accept_old_records, group,
+                ready.wanted.aliases)
     return total if group.rank == 0 else summary
 
 
@@ -649,6 +652,9 @@ def _scan_rows(source: InputSource, runner: RowRunner, limit: Optional[int],
         items += 1
         if isinstance(item, Row):
             fingerprint = wanted.expected[item.key] = runner.fingerprint(item)
+            legacy = runner.legacy_fingerprint(item)
+            if legacy is not None:
+                wanted.aliases[legacy] = fingerprint
             wanted.lines[item.key] = item.line
             if fingerprint is not None:
                 wanted.configs[item.key] = runner.settings_for(item.overrides).config  # shared by rows alike

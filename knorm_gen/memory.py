@@ -149,6 +149,8 @@ class KVMemory:
     layers: list[tuple[int, Optional[int]]]
     kv_bits: Optional[int] = None
     kv_group_size: Optional[int] = None
+    ratio: Optional[float] = None  # the budget follows each document: these layers are for one of doc_tokens
+    doc_tokens: Optional[int] = None
 
     @property
     def ceiling_bytes(self) -> Optional[int]:
@@ -186,6 +188,12 @@ class KVMemory:
         return self._describe() + stored
 
     def _describe(self) -> str:
+        if self.ceiling_bytes is not None and self.ratio is not None:
+            return (f"KV memory per row: 1/{self.ratio:g} of each document's tokens per compressed layer, so at most "
+                    f"{self.ceiling_bytes / 2**20:.1f} MiB for a document of {self.doc_tokens} tokens (the model's "
+                    f"context) and less for a shorter one, plus {self.pinned_bytes_per_token / 1024:.1f} KiB per "
+                    f"pinned token (the instructions, question and answer); each record's kv_ceiling_bytes is its "
+                    f"row's own")
         if self.ceiling_bytes is not None:
             return (f"KV memory per row: at most {self.ceiling_bytes / 2**20:.1f} MiB for the document whatever its "
                     f"length, plus {self.pinned_bytes_per_token / 1024:.1f} KiB per pinned token (the instructions, "
@@ -207,13 +215,14 @@ def kv_memory(model: nn.Module, config: Union[EvictionConfig, ResolvedEviction, 
     if not config.sized:
         from .models import model_context_length
 
-        config = config.for_document(doc_tokens or model_context_length(model) or 8192)
+        doc_tokens = doc_tokens or model_context_length(model) or 8192
+        config = config.for_document(doc_tokens)
     caches = make_eviction_cache(model, config, ())  # the token pinned: nothing to score, no probe needed
     model(mx.array([[0]]), cache=caches)
     mx.eval([c.state for c in caches])
     bits = getattr(config, "kv_bits", None)
     return KVMemory([(_layer_bytes(c)[3], layer_capacity(c)) for c in caches], bits,
-                    config.kv_group_size if bits else None)
+                    config.kv_group_size if bits else None, config.ratio, doc_tokens if config.ratio else None)
 
 
 def mib(n: int) -> str:

@@ -233,14 +233,22 @@ def probe_cli(argv: Optional[list[str]] = None) -> None:
     @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
                   help="Also write the report as JSON ('-': stdout, and the table goes to stderr).")
     def command(model_spec: str, n_tokens: int, threshold: float, json_path: Optional[str]) -> None:
-        from .models import load_model
+        """Inspect a model before running it with eviction: its architecture and context, which
+        layers eviction compresses (and what it cannot do on it), and, per full-attention layer,
+        how well a low key norm predicts the attention a key draws (the L2Norm rule's signal:
+        Spearman correlation per KV head over pydoc prose), with the layers it suggests leaving
+        uncompressed for the paper's rule."""
+        from .models import load_model, model_context_length
+        from .support import describe_model
 
         model, tokenizer = load_model(None if model_spec == "default" else model_spec)
+        click.echo(describe_model(model, model_spec), err=json_path == "-")
         report = probe_model(model, tokenizer, n_tokens=n_tokens, threshold=threshold)
         # With --json -, stdout carries only the JSON so a script can parse it.
         click.echo(report.format_table(), err=json_path == "-")
         if json_path:
-            text = json.dumps({"model": model_spec, **report.to_dict()}, indent=2)
+            text = json.dumps({"model": model_spec, "context": model_context_length(model), **report.to_dict()},
+                              indent=2)
             if json_path == "-":
                 click.echo(text)
             else:

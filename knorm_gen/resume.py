@@ -206,8 +206,18 @@ def _what_changed(changed: list, configs: dict, model: Optional[str]) -> list[st
     return parts
 
 
+def with_aliases(records: dict, aliases: Optional[dict]) -> dict:
+    """``records`` (id -> (fingerprint, line)) with each fingerprint an older spelling of the same
+    settings wrote (:attr:`Wanted.aliases`) read as today's."""
+    if aliases:
+        for key, (fp, line) in list(records.items()):
+            records[key] = (aliases.get(fp, fp), line)
+    return records
+
+
 def plan_resume(output: str, expected: dict[str, Optional[str]], accept_old: bool,
-                configs: Optional[dict] = None, model: Optional[str] = None, rerun_edited: bool = False) -> ResumePlan:
+                configs: Optional[dict] = None, model: Optional[str] = None, rerun_edited: bool = False,
+                aliases: Optional[dict] = None) -> ResumePlan:
     """Compare an earlier output with the input's rows (see :func:`check_resume`).
 
     ``expected`` maps each input row's id to the fingerprint a record of it
@@ -215,6 +225,7 @@ def plan_resume(output: str, expected: dict[str, Optional[str]], accept_old: boo
     ``rerun_edited``: the records of rows edited since are dropped (:func:`drop_edited`).
     """
     state = scan_output(output)
+    with_aliases(state.records, aliases)
     if rerun_edited and not accept_old:
         state.dropped_edited = len(drop_edited(state.records, Wanted(expected, configs=configs or {}, model=model)))
     check_resume(state.records, expected, accept_old, output, configs, model)
@@ -266,6 +277,9 @@ class Wanted:
     configs: dict[str, dict] = field(default_factory=dict)
     model: Optional[str] = None
     rerun_edited: bool = False  # a row edited since its record runs again (a folder's file), not refused
+    # fingerprints of the same rows and settings as older versions spelled them (config.legacy_spelling),
+    # mapped to today's: a record that carries one is done
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
 def plan_run(files: Outputs, wanted: Wanted, *, accept_old: bool, overwrite: bool, group: Group,
@@ -289,10 +303,11 @@ def _plan_alone(files: Outputs, wanted: Wanted, accept_old: bool, overwrite: boo
             path.unlink(missing_ok=True)
         return ResumePlan()
     plan = plan_resume(files.own_output, wanted.expected, accept_old, wanted.configs, wanted.model,
-                       wanted.rerun_edited)
+                       wanted.rerun_edited, wanted.aliases)
     if parts:  # an earlier run across several processes stopped before its merge: take its records in
         have = set(plan.done)
-        extra = {k: (fp, line.encode("utf-8")) for k, fp, line in _local_records(files) if k not in have}
+        extra = with_aliases({k: (fp, line.encode("utf-8")) for k, fp, line in _local_records(files)
+                              if k not in have}, wanted.aliases)
         if wanted.rerun_edited and not accept_old:
             drop_edited(extra, wanted)
         check_resume(extra, wanted.expected, accept_old, files.output, wanted.configs, wanted.model)
@@ -372,6 +387,7 @@ def _plan_group(files: Outputs, wanted: Wanted, accept_old: bool, overwrite: boo
         gathered = group.gather_json(_local_records(files))
     for records in gathered:
         for key, fp, line in records:
+            fp = wanted.aliases.get(fp, fp)
             current = union.get(key)
             if current is None or (current[0] != expected.get(key) and fp == expected.get(key)):
                 union[key] = (fp, line.encode("utf-8"))
@@ -402,7 +418,7 @@ def _local_records(files: Outputs) -> list[tuple[str, Optional[str], str]]:
 
 
 def merge_group(files: Outputs, items: Callable[[], Iterable[Any]], plan: ResumePlan, expected: dict,
-                accept_old: bool, group: Group) -> None:
+                accept_old: bool, group: Group, aliases: Optional[dict] = None) -> None:
     """Every rank's records to rank 0, which writes the final output in input order
     (``items()``: the input's items, read again) and the stats log; then each rank
     removes the part files the output now holds."""
@@ -412,7 +428,7 @@ def merge_group(files: Outputs, items: Callable[[], Iterable[Any]], plan: Resume
         blobs = group.gather_bytes(b"".join(_read(p) for p in dict.fromkeys(parts)))
         stats_blobs = group.gather_bytes(b"".join(_read(p) for p in dict.fromkeys(stats_parts)))
     if group.rank == 0:
-        rewrite_atomically(files.output, merge_records(items(), plan.keep, blobs, expected, accept_old))
+        rewrite_atomically(files.output, merge_records(items(), plan.keep, blobs, expected, accept_old, aliases))
         if files.stats_log:
             rewrite_atomically(files.stats_log, merge_stats(_upgrade_stats(_read(Path(files.stats_log))),
                                                             stats_blobs))
@@ -423,7 +439,7 @@ def merge_group(files: Outputs, items: Callable[[], Iterable[Any]], plan: Resume
 
 
 def merge_records(items: Iterable[Any], earlier: list[bytes], blobs: list[bytes], expected: dict,
-                  accept_old: bool) -> list[bytes]:
+                  accept_old: bool, aliases: Optional[dict] = None) -> list[bytes]:
     """The final output: one line per input row, in input order. A row's
     successful record comes from the earlier records or any part (one whose
     fingerprint matches the input wins); else its error record from a part."""
@@ -435,7 +451,8 @@ def merge_records(items: Iterable[Any], earlier: list[bytes], blobs: list[bytes]
             continue  # a torn tail of a part this run did not own
         if record["error"] is None and record["id"] is not None:
             key = rec.id_key(record["id"])
-            fits = record.get("fingerprint") == expected.get(key) or accept_old
+            fp = record.get("fingerprint")
+            fits = (aliases or {}).get(fp, fp) == expected.get(key) or accept_old
             if key not in good or fits:
                 good[key] = line
         elif isinstance(record["error"], dict) and isinstance(record["error"].get("line"), int):

@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 from . import records as rec
 from .admission import KVLimit, KVMemoryExceeded
-from .config import EvictionConfig, GenerationConfig, ResolvedEviction, RowsConfig, make_configs, settings_dict
+from .config import (EvictionConfig, GenerationConfig, ResolvedEviction, RowsConfig, legacy_spelling, make_configs,
+                     settings_dict)
 from .engine import Outcome, Request, run_alone, run_jobs
 from .generate import prompt_request, question_request
 from .long_documents import answer_in_pieces, needs_pieces
@@ -83,6 +84,14 @@ class RowRunner:
             else:
                 self._fingerprints[key] = rec.fingerprint(row.digest, config, self.model_spec)
         return self._fingerprints[key]
+
+    def legacy_fingerprint(self, row: Row) -> Optional[str]:
+        """The fingerprint a record of this row carried when these settings had an older
+        spelling (:func:`~knorm_gen.config.legacy_spelling`), or None."""
+        if self.fingerprint(row) is None:
+            return None
+        old = legacy_spelling(self.settings_for(row.overrides).config)
+        return None if old is None else rec.fingerprint(row.digest, old, self.model_spec)
 
     # ---- records ----------------------------------------------------------------------
     def _record(self, row_id: Any, config: dict, meta: Optional[dict]) -> dict:

@@ -245,6 +245,24 @@ def support_row(support: ModelSupport) -> dict:
     }
 
 
+def describe_model(model: Any, spec: str) -> str:
+    """The line a run starts with: the model, its architecture and context, what eviction
+    compresses of it, and what it cannot do."""
+    from .models import model_context_length
+
+    support = model_support(model)
+    ctx = model_context_length(model)
+    parts = [f"model {spec}: {support.architecture}, context "
+             + (f"{ctx:,} tokens" if ctx else "unknown (no max_position_embeddings)"),
+             f"{len(support.full_layers)} of {support.n_layers} layers compressible"
+             + (f" (the others: {support.describe_kinds()})" if len(support.full_layers) < support.n_layers else "")]
+    if support.batching:
+        parts.append(f"rows run one at a time ({support.batching})")
+    if support.probe:
+        parts.append(f"no question rule ({support.probe})")
+    return "; ".join(parts)
+
+
 def check_model(model: Any, eviction: Any) -> ModelSupport:
     """:func:`model_support`, having checked that the resolved layout ``eviction`` can run on it."""
     support = model_support(model)
@@ -252,4 +270,4 @@ def check_model(model: Any, eviction: Any) -> ModelSupport:
     return support
 
 
-__all__ = ["ModelSupport", "UnsupportedModelError", "check_model", "model_support", "support_row"]
+__all__ = ["ModelSupport", "UnsupportedModelError", "check_model", "describe_model", "model_support", "support_row"]

@@ -340,3 +340,31 @@ def test_generate_usage_errors_exit_2(tiny_model_dir, args, message):
 def test_generate_is_a_console_script():
     text = (REPO / "pyproject.toml").read_text()
     assert 'knorm-generate = "knorm_gen.cli:generate_command"' in text
+
+
+def test_records_written_under_the_old_rule_names_resume_as_done(tmp_path, tiny):
+    # A record written when the default was spelled keep="question_both_carry" (no question_score or carry in
+    # its config) counts as done: the same settings, another spelling. Its line is kept as it was written.
+    import json
+
+    from knorm_gen.records import fingerprint
+    from knorm_gen.rows import content_digest
+
+    rows = [{"id": "r0", "prompt": "Row number 0."}, {"id": "r1", "prompt": "Row number 1."}]
+    inp, out = write_rows(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    assert invoke(inp, "-o", out, *tiny, "-q").exit_code == 0
+    first, second = [json.loads(line) for line in out.read_text().splitlines()]
+    old_config = {k: v for k, v in first["config"].items() if k not in ("question_score", "carry")}
+    old_config["keep"] = "question_both_carry"  # as version 0.12 wrote it, by hand
+    first.update(config=old_config, completion="written by an older version",
+                 fingerprint=fingerprint(content_digest(rows[0]), old_config, first["model"]))
+    out.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
+    before = out.read_text()
+    result = invoke(inp, "-o", out, *tiny, "-q")
+    assert result.exit_code == 0 and out.read_text() == before  # nothing ran again, nothing was refused
+    # a record of other settings is still refused, naming the difference
+    old_config["keep"] = "question_carry"  # the best reading, carrying: not today's default
+    first.update(config=old_config, fingerprint=fingerprint(content_digest(rows[0]), old_config, first["model"]))
+    out.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
+    result = invoke(inp, "-o", out, *tiny, "-q")
+    assert result.exit_code == 2 and "keep: question_carry -> question" in result.stderr

@@ -216,3 +216,9 @@ def test_text_prompt_gets_bos(gemma):
     out = generate_with_eviction(model, tok, prompt, budget=None, chat=False, max_tokens=4)
     assert out.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False)) + 1
     assert "Berlin" in out.text, out.text
+
+
+def test_the_default_keeps_what_it_kept_as_a_rule_name_on_gemma3(gemma):
+    from .test_default_layout import assert_same_as_saved, kept_by_the_default
+
+    assert_same_as_saved(kept_by_the_default(*gemma), "gemma3")

@@ -459,3 +459,33 @@ def test_copied_gguf_shares_the_cache_entry(tmp_path, cache_dir, monkeypatch):
     calls = _count_reads(monkeypatch)
     load_model(str(copy))
     assert calls == []  # keyed by content, not by path
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_the_main_job_runs_on_each_gguf_architecture(tmp_path, cache_dir, arch):
+    # Every architecture load_model reads from a GGUF runs the main job end to end: knorm-batch question
+    # rows at batch 1 and 3 with eviction, answer_questions and generate_with_eviction; every record ok and
+    # within its ceiling.
+    from click.testing import CliRunner
+
+    from knorm_gen import answer_questions, generate_with_eviction
+    from knorm_gen.cli import batch_command
+
+    _, path = reference_and_gguf(tmp_path, arch)
+    doc = "the cat sat on the mat and the dog sat on the log. " * 4
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, "text": doc[i:]}) + "\n" for i in range(3)))
+    for batch in (1, 3):
+        out = tmp_path / f"out{batch}.jsonl"
+        result = CliRunner().invoke(batch_command, [str(rows), "--model", str(path), "--context-field", "text", "--question",
+                                           "Summarize the text above.", "--budget", "24", "--max-tokens", "3",
+                                           "--batch-size", str(batch), "-o", str(out), "-q"])
+        assert result.exit_code == 0, result.output
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [r["error"] for r in records] == [None] * 3
+        assert all(r["kept_bytes"] <= r["kv_ceiling_bytes"] and r["tokens_kept"] < r["tokens_seen"] for r in records)
+    model, tok = load_model(str(path), float32=True)
+    for r in answer_questions(model, tok, doc, ["Who sat?", "Where?"], budget=24, max_tokens=3):
+        assert r.kept_bytes <= r.kv_ceiling_bytes and r.tokens_kept < r.tokens_seen
+    r = generate_with_eviction(model, tok, doc + "\n\nWho sat?", budget=24, max_tokens=3)
+    assert r.kept_bytes <= r.kv_ceiling_bytes and r.tokens_kept < r.tokens_seen

@@ -1,0 +1,68 @@
+"""Today's default layout, expressed with the question rule's settings, keeps exactly the
+positions the default kept when it was a rule name of its own (``question_both_carry``):
+positions saved from the product path of commit 7857212 on fixed prompts, both models
+(tests/data/default_kept_*.json; Gemma 3's test is in test_gemma.py, beside its fixture)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from knorm_gen import EvictionConfig, GenerationConfig, load_model
+from knorm_gen.cache import EvictionKVCache
+from knorm_gen.corpus import pydoc_sections
+from knorm_gen.engine import BatchEngine, prefill
+from knorm_gen.generate import prompt_request, question_request
+
+DATA = Path(__file__).resolve().parent / "data"
+SECTIONS = ("with", "objects", "identifiers")
+QUESTION = "Summarize the documentation above in three sentences."
+AGREE = 0.99  # of every (layer, head, position) kept; below it a real change, above it a near-tie or two (DESIGN 4)
+
+
+def kept_by_the_default(model, tok) -> list[dict]:
+    """Per case (a question row and a prompt row per section), the kept positions of every
+    compressed layer and head, as the product prefills them at budget 128."""
+    texts = dict(pydoc_sections())
+    eviction = EvictionConfig(budget=128).for_model(model)
+    engine = BatchEngine(model, tok, eviction, batch_size=1)
+    out = []
+    for name in SECTIONS:
+        text = texts[name][:4000]
+        req = question_request(model, engine.tok, name, text, [QUESTION], eviction, GenerationConfig(max_tokens=8))
+        caches, _ = engine.prefill_context(req.eviction, req.context_ids, req.spans, req.question_ids)
+        out.append({"kind": "question", "name": name, "kept": _kept(caches)})
+        req = prompt_request(model, engine.tok, name, text + "\n\nSummarize the text above.", eviction,
+                             GenerationConfig(max_tokens=8))
+        caches = engine.probed_caches(req.eviction, req.ids, req.spans)
+        prefill(model, req.ids[:-1], caches, 512)
+        out.append({"kind": "prompt", "name": name, "kept": _kept(caches)})
+    return out
+
+
+def _kept(caches) -> dict:
+    return {str(i): [sorted(map(int, h)) for h in c.ordered_state()[2][0].tolist()]
+            for i, c in enumerate(caches) if isinstance(c, EvictionKVCache)}
+
+
+def assert_same_as_saved(got: list[dict], which: str) -> None:
+    want = json.loads((DATA / f"default_kept_{which}.json").read_text())["cases"]
+    assert [(c["kind"], c["name"]) for c in got] == [(c["kind"], c["name"]) for c in want]
+    same = total = 0
+    for g, w in zip(got, want):
+        assert g["kept"].keys() == w["kept"].keys()
+        for layer in w["kept"]:
+            for gh, wh in zip(g["kept"][layer], w["kept"][layer]):
+                assert len(gh) == len(wh), (g["kind"], g["name"], layer)
+                same += len(set(gh) & set(wh))
+                total += len(wh)
+    assert same / total >= AGREE, f"{which}: {same} of {total} kept positions as saved"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model()
+
+
+def test_the_default_keeps_what_it_kept_as_a_rule_name_on_smollm2(smollm2):
+    assert_same_as_saved(kept_by_the_default(*smollm2), "smollm2")
