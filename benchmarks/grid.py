@@ -43,6 +43,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default="default")
     ap.add_argument("--docs", default="0:12", help="A:B, documents A to B-1 of the fixed order")
     ap.add_argument("--tokens", type=int, default=2048, help="each document's first N tokens")
+    ap.add_argument("--join", action="store_true", help="documents shorter than --tokens take the next ones after "
+                                                         "them (a blank line between) until they reach it")
     ap.add_argument("--ratios", default="4")
     ap.add_argument("--arms", default="default,random")
     ap.add_argument("--fillers", default=",".join(GRID_FILLERS), help="fillers of knorm_gen.evaluate.FILLERS, "
@@ -52,10 +54,18 @@ def parse(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def grid_docs(tok, spec: str, n_tokens: int) -> list[Doc]:
+def grid_docs(tok, spec: str, n_tokens: int, join: bool = False) -> list[Doc]:
     a, b = (int(x) for x in spec.split(":"))
-    found = documents(tok, min_tokens=1500, max_tokens=10**6)[a:b]
-    return [Doc(d.name, head_tokens(tok, d.text, n_tokens), d.summary) for d in found]
+    every = documents(tok, min_tokens=1500, max_tokens=10**6)
+    out = []
+    for i in range(a, b):
+        d, name, text, summary = every[i], every[i].name, every[i].text, every[i].summary
+        j = i
+        while join and d.tokens is not None and len(tok.encode(text, add_special_tokens=False)) < n_tokens:
+            j = (j + 1) % len(every)
+            name, text, summary = f"{name}+{every[j].name}", text + "\n\n" + every[j].text, None
+        out.append(Doc(name, head_tokens(tok, text, n_tokens), summary))
+    return out
 
 
 def cases(tok, docs: list[Doc], fillers: list[str], n_tokens: int) -> list[tuple]:
@@ -72,7 +82,7 @@ def run(args: argparse.Namespace) -> dict:
     model, tok = load_model(None if args.model == "default" else args.model)
     arms = {a: CANDIDATES[a] for a in args.arms.split(",")}
     ratios = [float(r) for r in args.ratios.split(",")]
-    docs = grid_docs(tok, args.docs, args.tokens)
+    docs = grid_docs(tok, args.docs, args.tokens, args.join)
     todo = cases(tok, docs, [f for f in args.fillers.split(",") if f], args.tokens)
     out = Path(args.out) if args.out else None
     result = json.loads(out.read_text()) if out and out.exists() else {"rows": []}

@@ -346,12 +346,13 @@ model_option = click.option("--model", default=BatchOptions.model, show_default=
                             help="'default' (embedded SmolLM2-135M), a .gguf file, or an mlx_lm model path/id.")
 preset_option = click.option(
     "--preset", type=click.Choice(tuple(PRESETS)), default=None,
-    help="A named eviction layout; the eviction options given beside it override it. paper: keep-low, layers 0-1 "
-         "uncompressed (the paper); retrieval: keep-low, the first 30% of the full-attention layers uncompressed "
-         "(memory grows with the input); summarize: KeyDiff in every layer (0.2's default); question: the default's "
-         "question rule with the recent eighth (0.6); intrinsic: the keys alone, no probe (0.6's default: leverage "
-         "in the first 30% of the full-attention layers, the blend in the rest, coverage 0.25, the recent half); "
-         "auto: the layout knorm-tune saved for this model (the default without one).")
+    help="A named eviction layout; the eviction options given beside it override it. default: the question rule "
+         "(mean reading, carrying a quarter), the recent quarter, every layer bounded; paper: keep-low (the L2Norm "
+         "rule), layers 0-1 uncompressed (the paper); retrieval: keep-low, the first 30% of the full-attention layers "
+         "uncompressed (memory grows with the input); summarize: KeyDiff in every layer; question: the question rule "
+         "with the best reading, no carry, the recent eighth; intrinsic: the keys alone, no probe (leverage in the "
+         "first 30% of the full-attention layers, the blend in the rest, coverage 0.25, the recent half); auto: the "
+         "layout knorm-tune saved for this model (the default without one).")
 
 
 @click.command(cls=_BatchCommand, context_settings=HELP)

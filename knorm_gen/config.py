@@ -33,10 +33,10 @@ with the settings below. They are read, not offered. (A saved ``keep="question"`
 ``question_score`` means the best reading without carry.)"""
 
 EARLY_FRACTION = 0.3
-"""The share of leading layers ``skip_layers=None`` (``--preset retrieval``, the
-default before 0.2) leaves uncompressed. On the embedded model, compressing layers
-2-8 with keep-low broke passkey retrieval at every length we measured, and leaving
-layers 0-8 (30% of 30) uncompressed restored it (README, Results)."""
+"""The share of leading layers ``skip_layers=None`` (``--preset retrieval``) leaves
+uncompressed. On the embedded model, compressing layers 2-8 with keep-low broke passkey
+retrieval at every length measured, and leaving layers 0-8 (30% of 30) uncompressed
+restored it (docs/history.md)."""
 
 SEED_LIMIT = 2**64  # mx.random.seed takes an unsigned 64-bit integer
 
@@ -51,21 +51,20 @@ def early_layers(n_layers: int, full_layers: Optional[Sequence[int]] = None) -> 
 
 
 RECENT_SHARE = 0.25
-"""The default ``recent_share`` (0.7): a quarter of each budget holds the most recent
-tokens, beside the question rule. Of the three splits measured for that rule
-(benchmarks/choose_default.py, docs/results.md), the quarter kept random eviction's
-summary fidelity on both models held out, where the eighth fell short on Gemma 3 (the
-half: fewer keys on the tuning split). The intrinsic layouts keep the half (``--preset intrinsic``)."""
+"""The default ``recent_share``: a quarter of each budget holds the most recent tokens,
+beside the question rule. Of the three splits measured for that rule (a quarter, an
+eighth, a half), the quarter kept random eviction's summary fidelity on both models held
+out, where the eighth fell short on Gemma 3 and the half found fewer keys (docs/history.md).
+The intrinsic layouts keep the half (``--preset intrinsic``)."""
 OLD_RECENT_SHARE = 0.125
-"""The recent window of every layout before ``recent_share`` (``budget // 8``): the
-presets keep it, and a saved tuning or record without the field means it."""
+"""A recent window of ``budget // 8``: the paper, retrieval, summarize and question presets
+keep it, and a saved tuning or record without ``recent_share`` means it."""
 
 
 def auto_recent(budget: int, share: float = OLD_RECENT_SHARE, n_sink: int = 0) -> int:
-    """The recent window a ``budget`` gets from ``recent_share``: ``int(share * budget)``
-    (0.125, ``budget // 8``, before 0.4), leaving at least one slot to the rule beside
-    ``n_sink`` so a small budget stays valid. Our perplexity benchmark showed keep-low
-    without a window losing far more than with one (README, Results)."""
+    """The recent window a ``budget`` gets from ``recent_share``: ``int(share * budget)``,
+    leaving at least one slot to the rule beside ``n_sink`` so a small budget stays valid.
+    Keep-low without a window lost far more perplexity than with one (docs/history.md)."""
     return max(0, min(int(share * budget), budget - n_sink - 1))
 
 
@@ -182,10 +181,11 @@ MIN_RATIO_BUDGET = 16
 """The fewest tokens a layer keeps of a document under ``ratio`` (a short document is kept whole below it)."""
 
 
-def ratio_budget(doc_tokens: int, ratio: float, cap: Optional[int] = None) -> int:
+def ratio_budget(doc_tokens: int, ratio: float, cap: Optional[int] = None, reserved: int = 0) -> int:
     """A layer's budget for a document of ``doc_tokens`` under ``ratio``: its tokens / ratio
-    (rounded up, at least :data:`MIN_RATIO_BUDGET`), at most ``cap``."""
-    budget = max(MIN_RATIO_BUDGET, math.ceil(doc_tokens / ratio))
+    (rounded up), plus the ``reserved`` slots the budget holds that are not the document's
+    (sinks in the template), at least :data:`MIN_RATIO_BUDGET`, at most ``cap``."""
+    budget = max(MIN_RATIO_BUDGET, math.ceil(doc_tokens / ratio) + reserved)
     return budget if cap is None else min(budget, cap)
 
 
@@ -608,13 +608,13 @@ class ResolvedEviction:
         """Whether every compressed layer's budget is known (a ratio needs the document's length first)."""
         return not any(p is not None and p[0] == UNSIZED for p in self.layers)
 
-    def for_document(self, doc_tokens: int) -> "ResolvedEviction":
-        """This layout for one document of ``doc_tokens`` evictable tokens: under ``ratio`` each
-        compressed layer keeps its tokens / ratio (:func:`ratio_budget`, at most ``budget``);
-        otherwise itself."""
+    def for_document(self, doc_tokens: int, reserved: int = 0) -> "ResolvedEviction":
+        """This layout for one document of ``doc_tokens`` positions: under ``ratio`` each
+        compressed layer keeps its tokens / ratio of it (:func:`ratio_budget`, with the
+        ``reserved`` sink slots outside it, at most ``budget``); otherwise itself."""
         if self.ratio is None:
             return self
-        b = ratio_budget(doc_tokens, self.ratio, self.budget)
+        b = ratio_budget(doc_tokens, self.ratio, self.budget, reserved)
         r = auto_recent(b, self.recent_share, self.n_sink) if self.fixed_recent is None else self.fixed_recent
         return replace(self, layers=tuple(None if p is None else (b, r) for p in self.layers))
 

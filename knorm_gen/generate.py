@@ -15,7 +15,7 @@ from .engine import DEFAULT_BATCH_SIZE, Request, run_jobs, stream_request
 from .prompts import Prompt, as_tokenizer, has_chat_template, check_length, context_spans, encode_with_spans, question_prompts
 from .results import GenerationResult
 from .long_documents import answer_in_pieces, fit_context, fit_prompt, needs_pieces
-from .spans import evictable_count
+from .spans import span_positions
 from .support import check_model
 
 __all__ = [
@@ -200,6 +200,13 @@ def _as_list(questions: Any) -> list:
     return [questions] if isinstance(questions, str) else list(questions)
 
 
+def for_document(eviction: ResolvedEviction, spans: Any, n_ids: int) -> ResolvedEviction:
+    """``eviction`` sized for the document that ``spans`` mark in a prompt of ``n_ids`` tokens:
+    under ``ratio`` it keeps 1/ratio of the document's positions, its sinks outside them on top."""
+    sinks = min(eviction.n_sink, n_ids)
+    return eviction.for_document(span_positions(spans, n_ids), reserved=sinks - span_positions(spans, sinks))
+
+
 def prompt_request(model: Any, tokenizer: Any, key: Any, prompt: Prompt, eviction: ResolvedEviction,
                    generation: GenerationConfig, tag: Any = None) -> Request:
     """A :class:`~knorm_gen.engine.Request` for one prompt: its ids, checked against the
@@ -211,8 +218,8 @@ def prompt_request(model: Any, tokenizer: Any, key: Any, prompt: Prompt, evictio
                                    special=generation.parse_special_tokens,
                                    pin_prefix_chars=generation.pin_prefix_chars)
     check_length(model, len(ids))
-    return Request(key, eviction.for_document(evictable_count(spans, eviction.n_sink, len(ids))), generation,
-                   ids=ids, spans=spans, tag=tag, long_document=info)
+    return Request(key, for_document(eviction, spans, len(ids)), generation, ids=ids, spans=spans, tag=tag,
+                   long_document=info)
 
 
 def question_request(model: Any, tokenizer: Any, key: Any, context: str, questions: Sequence[str],
@@ -232,6 +239,5 @@ def question_request(model: Any, tokenizer: Any, key: Any, context: str, questio
     spans = context_spans(tokenizer, context, context_ids, chat=_chat(tokenizer, generation),
                           system_prompt=generation.system_prompt, special=generation.parse_special_tokens,
                           pin_prefix_chars=generation.pin_prefix_chars)
-    doc_tokens = evictable_count(spans, eviction.n_sink, len(context_ids))
-    return Request(key, eviction.for_document(doc_tokens), generation, context_ids=context_ids, questions=questions,
-                   question_ids=question_ids, spans=spans, tag=tag, long_document=info)
+    return Request(key, for_document(eviction, spans, len(context_ids)), generation, context_ids=context_ids,
+                   questions=questions, question_ids=question_ids, spans=spans, tag=tag, long_document=info)

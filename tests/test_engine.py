@@ -166,3 +166,28 @@ def test_generate_batch_api_order_callback_and_honest_numbers(mt):
     assert [streamed[i].prompt_tokens for i in range(3)] == [r.prompt_tokens for r in results]
     with pytest.raises(ValueError, match="batch_size"):
         generate_batch_with_eviction(model, tok, prompts, batch_size=0)
+
+
+def test_probed_rows_prefilled_together_answer_as_prefilled_alone(mt):
+    # The question rule probes each prompt first; its rows may then be prefilled one at a time before they
+    # join the batch, or together in the batch's padded prefill (probes and carry per row in one batch
+    # cache). Each row's answer is the same either way, up to a near-tie of logits (DESIGN.md section 4).
+    from knorm_gen.generate import prompt_request
+
+    from .conftest import assert_greedy_agree
+
+    model, tok = mt
+    eviction = EvictionConfig(budget=None, ratio=4).for_model(model)
+    prompts = ["Summarize: " + " ".join(["The river flows to the sea and the sea rises to the clouds."] * n)
+               for n in (3, 12, 7)]
+    runs = []
+    for together in (False, True):
+        engine = BatchEngine(model, tok, eviction, batch_size=3, prefill_together=together)
+        for i, p in enumerate(prompts):
+            req = prompt_request(model, engine.tok, i, p, eviction, GenerationConfig(max_tokens=8))
+            engine.add(i, req.ids, req.generation, spans=req.spans, eviction=req.eviction)
+        runs.append(dict(engine.run()))
+    for i, p in enumerate(prompts):
+        alone, together = runs[0][i], runs[1][i]
+        assert alone.tokens_kept < alone.tokens_seen and together.kept_bytes <= together.kv_ceiling_bytes
+        assert_greedy_agree(model, encode_prompt(tok, p), together.tokens, alone.tokens)
