@@ -1,12 +1,14 @@
-"""knorm_gen: mlx_lm generation with KV-cache eviction (the L2Norm rule, KeyDiff and more on one machinery) that never evicts the instructions."""
+"""knorm_gen: mlx_lm generation with KV-cache eviction that never evicts the instructions: the
+question rule (the default), the paper's L2Norm rule and others on one machinery."""
 
 # Must run before anything imports mlx.core: MLX resolves BLAS symbols at load.
 from .runtime import preload_blas as _preload_blas
 
 _preload_blas()
 
-from .cache import BatchL2NormKVCache, L2NormKVCache, make_eviction_cache, probe_caches  # noqa: E402
-from .config import KEEP_MODES, EvictionConfig, GenerationConfig, ResolvedEviction  # noqa: E402
+from .cache import (BatchEvictionKVCache, BatchL2NormKVCache, EvictionKVCache, L2NormKVCache,  # noqa: E402
+                    make_eviction_cache, probe_caches)
+from .config import KEEP_MODES, PRESETS, EvictionConfig, GenerationConfig, ResolvedEviction  # noqa: E402
 from .generate import (  # noqa: E402
     answer_questions,
     generate_batch_with_eviction,
@@ -19,12 +21,20 @@ from .models import load_model  # noqa: E402
 from .prompts import PromptTooLongError  # noqa: E402
 from .results import GenerationResult  # noqa: E402
 from .runtime import runtime_info  # noqa: E402
+from .support import ModelSupport, UnsupportedModelError, model_support  # noqa: E402
+from .tune import NoTuningError, tuned_config  # noqa: E402
 
 __version__ = "0.12.0"
 
 __all__ = [
     "KEEP_MODES",
+    "PRESETS",
+    "BatchEvictionKVCache",
     "BatchL2NormKVCache",
+    "EvictionKVCache",
+    "ModelSupport",
+    "NoTuningError",
+    "UnsupportedModelError",
     "CacheStats",
     "EvictionConfig",
     "GenerationConfig",
@@ -40,9 +50,11 @@ __all__ = [
     "kv_memory",
     "load_model",
     "make_eviction_cache",
+    "model_support",
     "probe_caches",
     "runtime_info",
     "stream_batch_with_eviction",
     "stream_with_eviction",
+    "tuned_config",
     "__version__",
 ]

@@ -351,12 +351,9 @@ class EvictionConfig:
     n_sink: int = _setting(4, "Leading tokens never evicted.")
     recent: Optional[int] = _setting(None, "Most recent tokens never evicted (overrides --recent-share).",
                                      default_text="--recent-share x budget")
-    keep: str = _setting("question", "The rule that ranks a layer's document keys: question = the keys the "
-                         "instructions after the document would attend to, probed first (the default; --question-score, "
-                         "--carry); low = the lowest key norms (the paper's L2Norm rule); keydiff = the keys least like "
-                         "the head's mean; blend = both (with leverage in the early layers: --early-keep); leverage = "
-                         "keys unlike the rest by statistical leverage; high = the ablation of low; random, recent = "
-                         "baselines.", choices=KEEP_MODES)
+    keep: str = _setting("question", "The rule that ranks a layer's document keys, keeping: "
+                         + "; ".join(f"{name} = {rule.summary}" for name, rule in RULES.items()) + ".",
+                         choices=KEEP_MODES)
     question_score: str = _setting(
         "mean", "How the question rule reads a key's score from the probe: best = the best query's attention "
         "beyond the sentences around it; per_query = each query's beyond its own neighbourhood; mean = the mean "
@@ -397,7 +394,7 @@ class EvictionConfig:
         64, "Elements of a head's key or value that share one quantization scale and bias (with --kv-bits): "
         "32, 64 or 128, dividing the model's head dimension.", parse=parse_kv_group_size, metavar="32|64|128")
     layer_keep: Optional[Mapping[int, str]] = _setting(
-        None, "Per-layer rules overriding --keep, e.g. '0-5:low,20:leverage' (knorm-tune's per-layer mixes).",
+        None, "Per-layer rules overriding --keep, e.g. '0-5:low,20:leverage'.",
         parse=parse_layer_keep, metavar="LAYERS:RULE,...")
 
     def __post_init__(self):

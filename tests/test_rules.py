@@ -128,6 +128,7 @@ def test_kept_set_is_the_rule_ranking(keep, settings, seed):
 
 @pytest.mark.parametrize("keep,settings", CASES, ids=IDS)
 def test_every_rule_keeps_budget_and_protects(keep, settings):
+    assert RULES[keep].summary and RULES[keep].name == keep  # the command line's help lists it from here
     keys = distinct_norm_keys(T, np.random.default_rng(7), heads=3)
     mx.random.seed(3)
     cache = rule_cache(keep, settings, keys, 3)

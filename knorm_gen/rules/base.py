@@ -29,6 +29,7 @@ class Rule:
     """
 
     name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""  # what it keeps, in a few words: the command line's help lists it
     needs: ClassVar[str] = ""
     early: ClassVar[Optional[str]] = None
 

@@ -15,6 +15,7 @@ class Random(Rule):
     at equal bytes."""
 
     name = "random"
+    summary = "a random choice per KV head and layer (the control at equal bytes)"
 
     def score(self, keys: mx.array, positions: mx.array, state: Any = None) -> mx.array:
         return mx.random.uniform(shape=keys.shape[:3], dtype=mx.float32)
@@ -24,6 +25,7 @@ class Recent(Rule):
     """With the sinks, keep the most recent tokens (``keep="recent"``, StreamingLLM)."""
 
     name = "recent"
+    summary = "the most recent tokens (StreamingLLM)"
 
     def score(self, keys: mx.array, positions: mx.array, state: Any = None) -> mx.array:
         return mx.broadcast_to(-positions.astype(mx.float32), keys.shape[:3])

@@ -68,6 +68,7 @@ class KeyDiff(_Anchored):
     of what the document says, not of what draws attention."""
 
     name = "keydiff"
+    summary = "the keys least like the head's mean (KeyDiff)"
 
     def score(self, keys: mx.array, positions: mx.array, state: Optional[mx.array] = None) -> mx.array:
         return cosine_to_anchor(keys, state)
@@ -81,6 +82,7 @@ class Blend(_Anchored):
     global layer evicted them, where leverage kept them."""
 
     name = "blend"
+    summary = "keydiff and low traded off (with leverage in the early layers)"
     early = "leverage"
 
     def score(self, keys: mx.array, positions: mx.array, state: Optional[mx.array] = None) -> mx.array:

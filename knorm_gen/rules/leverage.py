@@ -123,6 +123,7 @@ class Leverage(Rule):
     a single token updates it (:data:`LEVERAGE_REFRESH`)."""
 
     name = "leverage"
+    summary = "the keys least explained by the others (statistical leverage)"
     needs = "running"
 
     def score(self, keys: mx.array, positions: mx.array, state: Optional[mx.array] = None) -> mx.array:

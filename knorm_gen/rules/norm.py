@@ -15,6 +15,7 @@ class Low(Rule):
     """Keep the lowest key norms (``keep="low"``, the L2Norm rule)."""
 
     name = "low"
+    summary = "the lowest key norms (the paper's L2Norm rule)"
 
     def score(self, keys: mx.array, positions: mx.array, state: Any = None) -> mx.array:
         return squared_norm(keys)
@@ -24,6 +25,7 @@ class High(Rule):
     """Keep the highest key norms (``keep="high"``): the paper's ablation."""
 
     name = "high"
+    summary = "the highest key norms (the paper's ablation)"
 
     def score(self, keys: mx.array, positions: mx.array, state: Any = None) -> mx.array:
         return -squared_norm(keys)

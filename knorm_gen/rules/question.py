@@ -127,6 +127,8 @@ class Question(Rule):
     the key and the probe only."""
 
     name = "question"
+    summary = ("the document keys the instructions after the document would attend to, probed first "
+               "(--question-score, --carry)")
     needs = "probe"
 
     def __init__(self, reading: str = "mean"):
