@@ -7,8 +7,12 @@ in their ``[eviction]`` and ``[generation]`` tables; ``tests/test_cli.py`` check
 that every field is reachable from both surfaces. mlx_lm's names work too:
 ``--temp``, ``-m`` (``--max-tokens``), ``--ignore-chat-template`` (``--no-chat``),
 ``--extra-eos-token``, ``--chat-template-config``, ``--adapter-path`` and
-``--trust-remote-code``; ``--max-kv-size`` is refused with the name of the
-setting that bounds the cache here (``--budget``).
+``--trust-remote-code``, ``--verbose True|False``; ``--max-kv-size`` is refused
+with the name of the settings that bound the cache here (``--budget``, ``--ratio``).
+A field's help speaks of rows and batches in ``knorm-batch``; ``knorm-generate``
+takes its own wording from :data:`GENERATE_HELP`. ``knorm-generate``'s prompt
+cache (``--save-prompt-cache``, ``--prompt-cache-file``) lives in
+:mod:`knorm_gen.prompt_cache`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from .config import (
     RowsConfig,
     LAYOUT_FIELDS,
     PRESETS,
+    ResolvedEviction,
     make_configs,
 )
 from .evaluate import TUNE_FILLERS
@@ -74,10 +79,41 @@ OPTION_ALIASES = {"temperature": ("--temp",), "max_tokens": ("-m",), "chat": (" 
 A bool field's alias names its on/off forms as ``on/off`` (a leading space: no 'on' alias)."""
 
 MAX_KV_SIZE_HINT = (
-    "--max-kv-size is mlx_lm's rotating cache of the last N tokens; knorm_gen evicts by its rule instead, and "
+    "--max-kv-size is mlx_lm's rotating cache of the last N tokens; knorm-batch evicts by its rule instead, and "
     "the per-layer token budget is --budget N (tokens kept per compressed layer, chosen by --keep; 'none' = the "
-    "full cache). "
+    "full cache) or --ratio R (keep 1/R of each document). "
     "--max-kv-memory is something else: a byte limit (e.g. 2GiB) on the KV memory of the rows in flight")
+GENERATE_MAX_KV_SIZE_HINT = (
+    "--max-kv-size is mlx_lm's rotating cache of the last N tokens; knorm-generate evicts by its rule instead: "
+    "bound the cache with --budget N (tokens kept per compressed layer, chosen by --keep; 'none' = the full cache) "
+    "or --ratio R (keep 1/R of the prompt's document)")
+GENERATE_MAX_KV_MEMORY_HINT = (
+    "--max-kv-memory is knorm-batch's limit on the KV memory of the rows it decodes together; knorm-generate runs "
+    "one prompt: bound its KV cache with --budget N (tokens kept per compressed layer) or --ratio R (keep 1/R of "
+    "the prompt's document), and -v prints the bound before the text")
+TUNE_TASKS = ("summarize", "retrieve", "both")
+TUNE_JOB_HINT = ("--job is knorm-batch's job file; knorm-tune chooses a layout for --task summarize, retrieve or both")
+
+GENERATE_HELP: dict[str, dict[str, Any]] = {
+    "max_tokens": {"help": "Tokens to generate at most. 256, not mlx_lm's 100: a summary of a long document in three "
+                           "or so sentences rarely fits in 100 tokens."},
+    "seed": {"help": "Sampling seed, 0 to 2**64-1, set before the prompt is read (it matters with --temperature "
+                     "above 0, or --keep random)."},
+    "system_prompt": {"help": "A system message before the prompt (chat template only); pinned, never evicted."},
+    "pin_prefix_chars": {"help": "Characters at the start of the prompt (with --save-prompt-cache: the document) "
+                                 "pinned with the instructions: an instruction written before the document "
+                                 "('Summarize the following...'). The template, system turn, question and answer "
+                                 "are always pinned."},
+    "question_separator": {"help": "With --save-prompt-cache: the text between the document and each question asked "
+                                   "of it later (the whole prompt is DOCUMENT, this, QUESTION); a saved document "
+                                   "keeps its own."},
+    "long_documents": {"help": "A prompt longer than the model's context: error = stop before generating, naming its "
+                               "length and the limit; truncate = keep its start and end (half the room each), with "
+                               "'[...]' where the middle was.", "choices": ("error", "truncate")},
+}
+"""knorm-generate's own help (and choices) for the config fields whose help speaks of rows,
+records or batches; the other fields' help is the field's own, as in knorm-batch."""
+
 CONFIG_FIELDS = {f.name: f for f in (*fields(EvictionConfig), *fields(GenerationConfig))}
 ROW_SHAPE_FIELDS = {f.name: f for f in fields(RowsConfig)}
 OPTION_FIELDS = {**CONFIG_FIELDS, **ROW_SHAPE_FIELDS}
@@ -106,9 +142,10 @@ _TYPES = {"int": click.INT, "Optional[int]": click.INT, "float": click.FLOAT, "s
           "Optional[str]": click.STRING, "tuple[str, ...]": click.STRING}
 
 
-def _config_option(f: Field) -> Callable:
-    """One ``click.option`` for a config field, from the field itself."""
-    meta = f.metadata
+def _config_option(f: Field, override: Optional[dict] = None) -> Callable:
+    """One ``click.option`` for a config field, from the field itself (``override``: a
+    command's own ``help`` or ``choices`` for it, :data:`GENERATE_HELP`)."""
+    meta = {**f.metadata, **(override or {})}
     # The field's own default (shown in --help); only options given on the command
     # line override a job file, so a default here never masks one.
     help_text = meta.get("help") + (f"  [default: {meta['default_text']}]" if meta.get("default_text") else "")
@@ -129,10 +166,10 @@ def _config_option(f: Field) -> Callable:
     return click.option(name, *aliases, f.name, **kw)
 
 
-def _options_for(option_fields: dict) -> Callable[[Callable], Callable]:
+def _options_for(option_fields: dict, overrides: Optional[dict] = None) -> Callable[[Callable], Callable]:
     def add(command: Callable) -> Callable:
         for f in reversed(list(option_fields.values())):
-            command = _config_option(f)(command)
+            command = _config_option(f, (overrides or {}).get(f.name))(command)
         return command
 
     return add
@@ -140,8 +177,9 @@ def _options_for(option_fields: dict) -> Callable[[Callable], Callable]:
 
 config_options = _options_for(OPTION_FIELDS)
 config_options.__doc__ = "Add an option for every field of the configs (eviction, generation, rows)."
-generation_options = _options_for(CONFIG_FIELDS)
-generation_options.__doc__ = "Add an option for every field of the eviction and generation configs."
+generation_options = _options_for(CONFIG_FIELDS, GENERATE_HELP)
+generation_options.__doc__ = ("Add an option for every field of the eviction and generation configs, in "
+                              "knorm-generate's words (:data:`GENERATE_HELP`).")
 
 
 def parse_template_config(value: Any) -> Optional[dict]:
@@ -161,14 +199,24 @@ def parse_template_config(value: Any) -> Optional[dict]:
     return obj
 
 
-def _refuse_max_kv_size(ctx: click.Context, param: click.Parameter, value: Any) -> None:
-    if value is not None:
-        raise UsageFailure(MAX_KV_SIZE_HINT)
+def _refusal(hint: str) -> Callable:
+    """A callback that refuses its option, given any value, with ``hint`` (what to use instead)."""
+    def refuse(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+        if value is not None:
+            raise UsageFailure(hint)
+
+    return refuse
 
 
-def run_options(command: Callable) -> Callable:
+def _refused_options(hints: dict[str, str]) -> list[Callable]:
+    """Hidden options that name what to use instead (``{"--max-kv-size": hint}``)."""
+    return [click.option(name, hidden=True, expose_value=False, callback=_refusal(hint), metavar="N", help=hint)
+            for name, hint in hints.items()]
+
+
+def _run_options(command: Callable, refused: dict[str, str]) -> Callable:
     """The options a run takes as mlx_lm.generate does (tokenizer and loader), and the
-    hidden --max-kv-size that says what to use instead."""
+    hidden ``refused`` ones that say what to use instead."""
     for option in reversed([
         click.option("--extra-eos-token", "extra_eos_tokens", multiple=True, metavar="TOKEN",
                      help="Also stop at this token (as the tokenizer spells it, e.g. '<|im_end|>', or a token id); "
@@ -181,11 +229,22 @@ def run_options(command: Callable) -> Callable:
                           "GGUF models (the default is one)."),
         click.option("--trust-remote-code", is_flag=True, default=False,
                      help="Let mlx_lm run the model's and tokenizer's own code (an mlx_lm model id that needs it)."),
-        click.option("--max-kv-size", hidden=True, expose_value=False, callback=_refuse_max_kv_size,
-                     metavar="N", help=MAX_KV_SIZE_HINT),
+        *_refused_options(refused),
     ]):
         command = option(command)
     return command
+
+
+def run_options(command: Callable) -> Callable:
+    """knorm-batch's :func:`_run_options` (mlx_lm's --max-kv-size refused, naming --budget)."""
+    return _run_options(command, {"--max-kv-size": MAX_KV_SIZE_HINT})
+
+
+def generate_run_options(command: Callable) -> Callable:
+    """knorm-generate's :func:`_run_options`: --max-kv-size and --max-kv-memory refused,
+    each naming what bounds one prompt's cache (--budget, --ratio)."""
+    return _run_options(command, {"--max-kv-size": GENERATE_MAX_KV_SIZE_HINT,
+                                  "--max-kv-memory": GENERATE_MAX_KV_MEMORY_HINT})
 
 
 def _expand(path: str) -> str:
@@ -317,7 +376,48 @@ def resume_command(argv: list[str]) -> str:
     return shlex.join(["knorm-batch", *(a for a in argv if a != "--overwrite")])
 
 
-class _BatchCommand(click.Command):
+BOOL_WORDS = {"true": True, "t": True, "yes": True, "1": True, "false": False, "f": False, "no": False, "0": False}
+"""The values ``--verbose`` takes, as mlx_lm's commands take ``--verbose True|False`` (any case)."""
+
+
+def verbose_args(args: list[str]) -> list[str]:
+    """``args`` with mlx_lm's ``--verbose True|False`` (``-v 0``, ``--verbose=false``) spelled as
+    the flags ``--verbose`` / ``--no-verbose``; ``-v`` or ``--verbose`` before anything else
+    stays the flag. UsageFailure for ``--verbose=`` and a word that is no truth value."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            return out + args[i:]
+        word = arg.split("=", 1)[1] if arg.startswith("--verbose=") else \
+            args[i + 1] if arg in ("-v", "--verbose") and i + 1 < len(args) and args[i + 1].lower() in BOOL_WORDS \
+            else None
+        if word is None:
+            out.append(arg)
+            i += 1
+            continue
+        if word.lower() not in BOOL_WORDS:
+            raise UsageFailure(f"--verbose takes True or False (or nothing: -v), not {word!r}")
+        out.append("--verbose" if BOOL_WORDS[word.lower()] else "--no-verbose")
+        i += 1 if arg.startswith("--verbose=") else 2
+    return out
+
+
+def verbose_option(help_text: str) -> Callable:
+    """``-v`` / ``--verbose``: a flag that also takes mlx_lm's ``True`` / ``False`` (see :func:`verbose_args`)."""
+    return click.option("-v", "--verbose/--no-verbose", default=False, help=help_text + " A plain flag; "
+                        "--verbose True|False (mlx_lm's spelling) and --no-verbose work too.")
+
+
+class _Command(click.Command):
+    """A command that reads ``--verbose True|False`` as mlx_lm's commands do."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, verbose_args(list(args)))
+
+
+class _BatchCommand(_Command):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         ctx.meta["argv"] = list(args)  # for the resume hint
         return super().parse_args(ctx, args)
@@ -355,7 +455,7 @@ preset_option = click.option(
          "layout knorm-tune saved for this model (the default without one).")
 
 
-@click.command(cls=_BatchCommand, context_settings=HELP)
+@click.command(name="knorm-batch", cls=_BatchCommand, context_settings=HELP)
 @click.argument("input_path", metavar="INPUT", required=False)
 @click.option("-o", "--output", help="Output JSONL. Default: <input stem>.completions.jsonl beside a regular "
               "INPUT file, <folder name>.completions.jsonl beside a folder, stdout for stdin or a pipe; '-' = stdout.")
@@ -386,17 +486,17 @@ preset_option = click.option(
 @click.option("--job", "job_file", type=click.Path(dir_okay=False), help="TOML job file; command-line options "
               "override it.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar; only the final summary.")
-@click.option("-v", "--verbose", is_flag=True, help="One line per finished row on stderr: id, tokens seen and kept, "
-              "compression, seconds.")
+@verbose_option("One line per finished row on stderr: id, tokens seen and kept, compression, seconds.")
 @click.version_option(__version__, prog_name="knorm-batch")
 @click.pass_context
 def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optional[str], quiet: bool,
                   verbose: bool, overwrite: bool, accept_old_records: bool, **opts: Any) -> None:
-    """Run every row of the JSONL file INPUT ('-' = stdin) through the model with
-    KV-cache eviction (the default rule, or the one --keep or --preset names; the
-    instructions, questions and answers are never evicted) and write one JSONL
-    record per row. A folder INPUT gives one row per file that --glob matches (its
-    id: the file's path under the folder; its text: the document, asked --question).
+    """Run a model with KV-cache eviction over every row of a JSONL file (or every file of a folder), writing one JSONL record per row.
+
+    INPUT is a JSONL file ('-' = stdin) or a folder, which gives one row per file
+    that --glob matches (its id: the file's path under the folder; its text: the
+    document, asked --question). Eviction runs the default rule, or the one --keep
+    or --preset names; the instructions, questions and answers are never evicted.
 
     Rerunning the same command resumes where it stopped. Exit status: 0 all rows
     ok (an input with no rows too, with a warning), 1 some rows failed (the
@@ -454,7 +554,8 @@ def _run(ctx: click.Context, settings: dict, options: BatchOptions, quiet: bool)
         # Rank 0 reports the job. A non-zero exit here would make mlx.launch stop the
         # other ranks, rank 0 among them, while it may still be printing.
         ctx.exit(0)
-    click.echo(summary.text(warnings=quiet), err=True)  # without -q, the run said its warnings as they arose
+    # without -q, the run said its warnings as they arose, and its KV memory line as it started
+    click.echo(summary.text(warnings=quiet, memory=quiet), err=True)
     if summary.interrupted or summary.io_error:
         what = "interrupted" if summary.interrupted else "stopped"
         if group.distributed:
@@ -484,56 +585,156 @@ def main(argv: Optional[list[str]] = None) -> None:
     sys.exit(code or 0)
 
 
-@click.command(name="knorm-generate", context_settings=HELP)
+@click.command(name="knorm-generate", cls=_Command, context_settings=HELP)
 @click.option("-p", "--prompt", required=True, metavar="TEXT",
-              help="The prompt; '-' reads it from stdin. As in mlx_lm.generate, \\n and \\t in TEXT are a newline "
-                   "and a tab.")
+              help="The prompt (with --save-prompt-cache: the document; with --prompt-cache-file: the question); "
+                   "'-' reads it from stdin. As in mlx_lm.generate, \\n and \\t in TEXT are a newline and a tab.")
 @model_option
 @generation_options
 @preset_option
-@run_options
-@click.option("-v", "--verbose", is_flag=True, help="Also print the model and the KV memory bound before the text.")
+@generate_run_options
+@click.option("--save-prompt-cache", metavar="FILE", default=None,
+              help="Compress the prompt, a document, once through the eviction caches and save them to FILE "
+                   "(.safetensors) with what is needed to check and continue them; nothing is generated. Ask it "
+                   "questions later with --prompt-cache-file FILE.")
+@click.option("--question", "questions", multiple=True, metavar="TEXT",
+              help="With --save-prompt-cache: a question the document will be asked (repeat for several); the "
+                   "question rule (the default) keeps what it would attend to. Any question can be asked later; "
+                   "without one the rule reads the document's last paragraph.")
+@click.option("--prompt-cache-file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              callback=lambda ctx, param, value: _existing_cache_file(value),
+              help="Answer the prompt, a question, after the document saved in FILE with --save-prompt-cache: the "
+                   "whole prompt is the document, the file's question separator and the question. The file is only "
+                   "read, so it answers any number of questions. The model and eviction settings are the file's: "
+                   "leave them out, or give the same.")
+@verbose_option("Also print the model and the KV memory bound before the text.")
 @click.version_option(__version__, prog_name="knorm-generate")
 @click.pass_context
 def generate_command(ctx: click.Context, prompt: str, model: str, preset: Optional[str], verbose: bool,
+                     save_prompt_cache: Optional[str], questions: tuple, prompt_cache_file: Optional[str],
                      extra_eos_tokens: tuple, chat_template_config: Optional[dict], adapter_path: Optional[str],
                      trust_remote_code: bool, **opts: Any) -> None:
-    """Generate for one prompt with KV-cache eviction (the default rule, or the chosen one), in mlx_lm.generate's
-    shape: the text is printed as it is generated (stdout), then one stats line
-    (stderr): prompt tokens, tokens kept, compression, prompt and generation
-    speed, peak memory and the KV memory kept.
+    """Generate for one prompt with KV-cache eviction, in mlx_lm.generate's shape.
+
+    The text is printed as it is generated (stdout), then one stats line (stderr):
+    prompt tokens, tokens kept, compression, prompt and generation speed, peak
+    memory, and the KV memory kept: what the budget holds, plus the pinned tokens
+    (template, question, answer) held on top of it.
+
+    Compress a document once and ask it many questions, as mlx_lm.cache_prompt
+    and mlx_lm.generate --prompt-cache-file do: knorm-generate -p DOCUMENT
+    --save-prompt-cache doc.safetensors, then knorm-generate --prompt-cache-file
+    doc.safetensors -p QUESTION, for each question.
 
     Exit status: 0 done, 2 usage error (an option, the model, an empty prompt or
-    one longer than the model's context; nothing generated), 4 internal error,
-    130 interrupted, 141 the output pipe was closed.
+    one longer than the model's context, a prompt cache file that does not fit
+    the run; nothing generated or saved), 4 internal error, 130 interrupted, 141
+    the output pipe was closed.
     """
+    text = _prompt_text(prompt)
+    _check_cache_options(save_prompt_cache, questions, prompt_cache_file, opts["long_documents"])
+    run = BatchOptions(model=model, extra_eos_tokens=extra_eos_tokens, chat_template_config=chat_template_config,
+                       adapter_path=adapter_path, trust_remote_code=trust_remote_code)
+    if prompt_cache_file:
+        _ask_saved_document(ctx, text, prompt_cache_file, run, preset, verbose, opts)
+        return
+    eviction, generation = _configs({**opts, "preset": preset})
+    loaded, tokenizer = _load_generate_model(run)
+    eviction = _layout(loaded, tokenizer, eviction, preset, opts, text)
+    if save_prompt_cache:
+        _save_document(ctx, text, save_prompt_cache, questions, (loaded, tokenizer), eviction, generation, run,
+                       verbose)
+        return
+    resolved = _for_model(eviction, loaded)
+    if verbose:
+        _describe_run(loaded, model, resolved, "the template and the answer")
+    result = _stream_text(ctx, stream_with_eviction(loaded, tokenizer, text, eviction=resolved, generation=generation))
+    click.echo(stats_line(result, kv_memory(loaded, resolved), "the template and the answer"), err=True)
+    warning = budget_warning(resolved.budget, result.prompt_tokens, whose="the")
+    if warning:
+        click.echo(f"knorm-generate: warning: {warning}", err=True)
+
+
+def _existing_cache_file(path: Optional[str]) -> Optional[str]:
+    """--prompt-cache-file's value, or UsageFailure naming how to make the file."""
+    if path is not None and not Path(path).expanduser().is_file():
+        raise UsageFailure(f"--prompt-cache-file {path}: no such file; save a document there first: knorm-generate "
+                           f"-p DOCUMENT --save-prompt-cache {shlex.quote(path)}")
+    return path
+
+
+def _prompt_text(prompt: str) -> str:
+    """--prompt's text: mlx_lm's \\n and \\t escapes read, or stdin for '-'."""
+    text = prompt.replace("\\n", "\n").replace("\\t", "\t")
+    return sys.stdin.read() if text == "-" else text
+
+
+def _check_cache_options(save: Optional[str], questions: tuple, load: Optional[str], long_documents: str) -> None:
+    """UsageFailure for prompt cache options that cannot go together."""
+    if save and load:
+        raise UsageFailure("--save-prompt-cache saves a document and --prompt-cache-file asks a saved one a "
+                           "question: give one of them (save first, then ask)")
+    if questions and not save:
+        raise UsageFailure("--question says what a document is saved for: give it with --save-prompt-cache; to ask "
+                           "a saved document, give the question as --prompt with --prompt-cache-file")
+    if (save or load) and long_documents != "error":
+        raise UsageFailure("--long-documents truncate cuts a prompt as it is read, and a saved document is read "
+                           "whole: leave it out (cut a document too long for the model's context before saving it)")
+
+
+def _configs(settings: dict) -> tuple[EvictionConfig, GenerationConfig]:
+    """:func:`build_configs`, a bad value a usage error."""
     try:
-        eviction, generation = build_configs({**opts, "preset": preset})
+        return build_configs(settings)
     except ValueError as e:
         raise UsageFailure(str(e)) from None
-    text = prompt.replace("\\n", "\n").replace("\\t", "\t")
-    if text == "-":
-        text = sys.stdin.read()
-    options = BatchOptions(model=model, extra_eos_tokens=extra_eos_tokens, chat_template_config=chat_template_config,
-                           adapter_path=adapter_path, trust_remote_code=trust_remote_code)
-    try:
-        loaded, tokenizer = get_model(model, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
-        tokenizer = prepare_tokenizer(tokenizer, options)
-        if preset == "auto":
-            from .tune import auto_config, run_ratio
 
-            eviction, note = auto_config(loaded, eviction, auto_layout({**opts, "preset": preset}),
-                                         run_ratio(tokenizer, [text], eviction.budget))
-            click.echo(f"knorm-generate: {note}", err=True)
-        resolved = eviction.for_model(loaded)
+
+def _load_generate_model(run: BatchOptions) -> tuple[Any, Any]:
+    """The model and its tokenizer, with the run's extra eos tokens and template config."""
+    try:
+        loaded, tokenizer = get_model(run.model, adapter_path=run.adapter_path,
+                                      trust_remote_code=run.trust_remote_code)
+        return loaded, prepare_tokenizer(tokenizer, run)
     except (BatchUsageError, ValueError) as e:
         raise UsageFailure(str(e)) from None
-    if verbose:
-        click.echo(f"knorm-generate: {describe_model(loaded, model)}", err=True)
-        click.echo(f"knorm-generate: {kv_memory(loaded, resolved).describe()}", err=True)
+
+
+def _layout(model: Any, tokenizer: Any, eviction: EvictionConfig, preset: Optional[str], opts: dict,
+            text: str) -> EvictionConfig:
+    """``eviction`` with --preset auto's layout (the model's saved tuning, said on stderr)."""
+    if preset != "auto":
+        return eviction
+    from .tune import auto_config, run_ratio
+
+    try:
+        eviction, note = auto_config(model, eviction, auto_layout({**opts, "preset": preset}),
+                                     run_ratio(tokenizer, [text], eviction.budget))
+    except ValueError as e:
+        raise UsageFailure(str(e)) from None
+    click.echo(f"knorm-generate: {note}", err=True)
+    return eviction
+
+
+def _for_model(eviction: EvictionConfig, model: Any) -> ResolvedEviction:
+    try:
+        return eviction.for_model(model)
+    except ValueError as e:
+        raise UsageFailure(str(e)) from None
+
+
+def _describe_run(model: Any, spec: str, resolved: ResolvedEviction, pinned: str) -> None:
+    """-v: the model, and the KV memory bound of one prompt."""
+    click.echo(f"knorm-generate: {describe_model(model, spec)}", err=True)
+    click.echo(f"knorm-generate: {prompt_memory_line(kv_memory(model, resolved), pinned)}", err=True)
+
+
+def _stream_text(ctx: click.Context, pieces: Any) -> Any:
+    """Print the text pieces as they come (stdout); the result that ends them. A bad prompt
+    (found as the first piece is made) is a usage error; an interrupt, a closed pipe and a
+    bug end the command with their exit status."""
     result = None
     try:
-        pieces = stream_with_eviction(loaded, tokenizer, text, eviction=resolved, generation=generation)
         try:
             first = next(pieces)  # the prompt is encoded and checked here: its errors are usage errors
         except ValueError as e:
@@ -556,34 +757,192 @@ def generate_command(ctx: click.Context, prompt: str, model: str, preset: Option
         click.echo(traceback.format_exc(), err=True, nl=False)
         click.echo("knorm-generate: internal error (please report it)", err=True)
         ctx.exit(EXIT_INTERNAL_ERROR)
-    click.echo(stats_line(result), err=True)
-    warning = budget_warning(resolved.budget, result.prompt_tokens, whose="the")
+    return result
+
+
+def _save_document(ctx: click.Context, text: str, path: str, questions: tuple, loaded: tuple,
+                   eviction: EvictionConfig, generation: GenerationConfig, run: BatchOptions, verbose: bool) -> None:
+    """--save-prompt-cache: the document compressed and saved; its numbers on stderr."""
+    from .engine import needs_probe
+    from .prompt_cache import save_document
+
+    model, tokenizer = loaded
+    resolved = _for_model(eviction, model)
+    if verbose:
+        _describe_run(model, run.model, resolved, "the template, and later each question and answer")
+    try:
+        report = save_document(model, tokenizer, text, path, eviction=eviction, generation=generation,
+                               questions=questions, model_spec=run.model, adapter_path=run.adapter_path,
+                               chat_template_config=run.chat_template_config)
+    except ValueError as e:  # a bad document, file name or setting (PromptCacheError, PromptTooLongError)
+        raise UsageFailure(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo("knorm-generate: interrupted; nothing was saved", err=True)
+        ctx.exit(EXIT_INTERRUPTED)
+    click.echo(save_line(report), err=True)
+    if not questions and needs_probe(resolved):
+        click.echo("knorm-generate: no --question: the question rule kept what the document's last paragraph would "
+                   "attend to; give --question with the question you will ask (or one like it) to keep what it "
+                   "needs", err=True)
+    warning = budget_warning(resolved.budget, report.prompt_tokens, whose="the")
     if warning:
         click.echo(f"knorm-generate: warning: {warning}", err=True)
 
 
-def stats_line(result: Any) -> str:
-    """``knorm-generate``'s one line of numbers after the text."""
+def save_line(report: Any) -> str:
+    """The line --save-prompt-cache ends with: what was saved, and how to ask it."""
     from .memory import mib
 
-    return (f"knorm-generate: prompt {result.prompt_tokens} tokens, kept {result.tokens_kept} of "
+    return (f"knorm-generate: saved {report.path} ({mib(report.file_bytes)}): a document of {report.document_tokens} "
+            f"tokens ({report.prompt_tokens} with the template), {report.tokens_kept} positions kept per compressed "
+            f"layer ({report.compression_ratio:.2f}x compression of the document), KV {mib(report.kept_bytes)} of "
+            f"{mib(report.full_bytes)}, prefill {report.prefill_s:.1f} s; ask it: knorm-generate --prompt-cache-file "
+            f"{shlex.quote(report.path)} -p QUESTION")
+
+
+def _ask_saved_document(ctx: click.Context, question: str, path: str, run: BatchOptions, preset: Optional[str],
+                        verbose: bool, opts: dict) -> None:
+    """--prompt-cache-file: ``question`` answered after the saved document, from the file's
+    caches pinned; the run's settings checked against the file's first."""
+    from .prompt_cache import DOCUMENT_SETTINGS, PromptCacheError, read_document, resolved_for, stream_answer_from
+
+    given = _given(ctx, opts)
+    try:
+        saved = read_document(path)
+        run = _saved_run(ctx, saved, run)
+        _check_saved_settings(saved, preset, {k: opts[k] for k in given})
+    except PromptCacheError as e:
+        raise UsageFailure(str(e)) from None
+    model, tokenizer = _load_generate_model(run)
+    try:
+        resolved = resolved_for(saved, model)
+    except PromptCacheError as e:
+        raise UsageFailure(str(e)) from None
+    if verbose:
+        click.echo(f"knorm-generate: {describe_model(model, run.model)}", err=True)
+        click.echo(f"knorm-generate: {saved_document_line(saved)}", err=True)
+    fields_ = {k: v for k, v in opts.items() if k in GENERATION_FIELDS and (k in given or k not in DOCUMENT_SETTINGS)}
+    result = _stream_text(ctx, stream_answer_from(model, tokenizer, saved, question, consume=True, **fields_))
+    click.echo(stats_line(result, kv_memory(model, resolved), "the template, question and answer"), err=True)
+
+
+def _given(ctx: click.Context, opts: dict) -> set:
+    """The options of ``opts`` the command line (or the environment) gave."""
+    return {name for name in opts
+            if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
+
+
+def _saved_run(ctx: click.Context, saved: Any, run: BatchOptions) -> BatchOptions:
+    """The run with the saved document's model, adapters and chat template config, unless
+    the command line gives others: UsageFailure names them and the fix."""
+    from dataclasses import replace
+
+    from .prompt_cache import model_id
+
+    differ = []
+    if ctx.get_parameter_source("model") == ParameterSource.COMMANDLINE and model_id(run.model) != saved.model:
+        differ.append(("--model", saved.model, run.model))
+    if run.adapter_path is not None and model_id(run.adapter_path) != saved.adapter_path:
+        differ.append(("--adapter-path", saved.adapter_path, run.adapter_path))
+    if run.chat_template_config is not None and run.chat_template_config != saved.chat_template_config:
+        differ.append(("--chat-template-config", json.dumps(saved.chat_template_config),
+                       json.dumps(run.chat_template_config)))
+    if differ:
+        listed = "; ".join(f"{name} {theirs} here, {mine} in the file" for name, mine, theirs in differ)
+        names = ", ".join(name for name, _, _ in differ)
+        raise UsageFailure(f"{saved.path} was saved with another model or template ({listed}): leave out {names} "
+                           f"(the file's are used), or save the document again with them")
+    return replace(run, model=saved.model, adapter_path=saved.adapter_path,
+                   chat_template_config=saved.chat_template_config)
+
+
+def _check_saved_settings(saved: Any, preset: Optional[str], given: dict) -> None:
+    """UsageFailure when the eviction or document settings the command line gives differ
+    from those the document was saved with (naming each, the file's value and the fix)."""
+    from .prompt_cache import describe_differences, eviction_differences, generation_differences
+
+    if preset == "auto":
+        raise UsageFailure(f"--preset auto chooses a layout before a document is compressed, and {saved.path} keeps "
+                           f"the one it was saved with: leave out --preset")
+    eviction = {k: v for k, v in given.items() if k in EVICTION_FIELDS}
+    try:
+        candidate = make_configs(saved.eviction, preset=preset, **eviction)[0] if eviction or preset else None
+    except ValueError as e:
+        raise UsageFailure(str(e)) from None
+    differ = (eviction_differences(saved, candidate) if candidate else []) + generation_differences(saved, given)
+    if differ:
+        raise UsageFailure(f"{saved.path} was compressed with other settings ({describe_differences(differ)}): "
+                           f"leave those options out (the file's are used), or save the document again with them")
+
+
+def saved_document_line(saved: Any) -> str:
+    """-v with --prompt-cache-file: what the file holds."""
+    from .memory import cache_stats, mib
+
+    stats = cache_stats(saved.caches)
+    asked = ("compressed for " + "; ".join(repr(q) for q in saved.questions) if saved.questions
+             else "compressed for no question in particular")
+    return (f"prompt cache {saved.path}: a document of {len(saved.ids)} tokens with the template, "
+            f"{stats.tokens_kept} positions kept per compressed layer ({stats.compression_ratio:.2f}x compression of "
+            f"the document), KV {mib(stats.kept_bytes)} of {mib(stats.full_bytes)}, {asked}; the question and "
+            f"answer are pinned on top")
+
+
+def prompt_memory_line(memory: Any, pinned: str) -> str:
+    """-v: the KV memory bound of one prompt, in knorm-generate's words (``pinned``: what
+    the prompt's pinned tokens are); ``KVMemory.describe`` speaks of a batch's rows."""
+    per_pinned = (f"plus {memory.pinned_bytes_per_token / 1024:.1f} KiB per pinned token ({pinned}, held on top of "
+                  f"the budget)")
+    if memory.ceiling_bytes is None:
+        grow = sum(1 for _, cap in memory.layers if cap is None)
+        line = (f"KV memory: no ceiling: {grow} of {len(memory.layers)} layers keep every token "
+                f"(+{memory.growth_bytes_per_token / 1024:.1f} KiB per token; "
+                f"{memory.bytes_at(8192) / 2**20:.1f} MiB at 8192 tokens)")
+    elif memory.ratio is not None:
+        line = (f"KV memory: 1/{memory.ratio:g} of the document's tokens per compressed layer, so at most "
+                f"{memory.ceiling_bytes / 2**20:.1f} MiB for a document of {memory.doc_tokens} tokens (the model's "
+                f"context) and less for a shorter one, {per_pinned}")
+    else:
+        line = f"KV memory: at most {memory.ceiling_bytes / 2**20:.1f} MiB for the document whatever its length, {per_pinned}"
+    if memory.kv_bits:
+        line += (f" (keys and values stored at {memory.kv_bits} bits, groups of {memory.kv_group_size}; "
+                 f"sliding-window layers in full precision)")
+    return line
+
+
+def stats_line(result: Any, memory: Any = None, pinned: str = "the template, question and answer") -> str:
+    """``knorm-generate``'s one line of numbers after the text. With ``memory`` (the run's
+    :class:`~knorm_gen.memory.KVMemory`) and a ceiling, the KV kept is split into what the
+    budget holds and the pinned tokens (``pinned``: what they are) held on top of it."""
+    from .memory import mib
+
+    line = (f"knorm-generate: prompt {result.prompt_tokens} tokens, kept {result.tokens_kept} of "
             f"{result.tokens_seen} seen ({result.compression_ratio:.2f}x compression); "
             f"prompt {result.prompt_tps:.1f} tokens/s, generation {result.generation_tps:.1f} tokens/s "
             f"({result.generated_tokens} tokens, {result.finish_reason}); peak memory {result.peak_memory_gb:.3f} GB; "
             f"KV kept {mib(result.kept_bytes)} of {mib(result.full_bytes)}")
+    if memory is None or memory.ceiling_bytes is None or not result.tokens_pinned:
+        return line
+    pinned_bytes = result.tokens_pinned * memory.pinned_bytes_per_token
+    return (f"{line} ({mib(result.kept_bytes - pinned_bytes)} within the budget, plus {mib(pinned_bytes)} for "
+            f"{result.tokens_pinned} pinned tokens held on top of it: {pinned})")
 
 
 @click.command(name="knorm-tune", context_settings=HELP)
 @click.argument("docs", required=False, type=click.Path(dir_okay=False, allow_dash=False))
 @model_option
-@click.option("--context-field", default="text", show_default=True, help="The field of DOCS holding a document.")
+@click.option("--context-field", default="context", show_default=True,
+              help="The field of DOCS holding a document, as knorm-batch's --context-field.")
 @click.option("--budget", type=click.IntRange(min=8), default=None,
-              help="The job's budget: every candidate keeps N tokens of each document, so the compression measured "
-                   "is each document's tokens / N, the job's own (default: each document's tokens / --ratio).")
+              help="The budget your runs use: every candidate keeps N tokens of each document, so the compression "
+                   "measured is each document's tokens / N, your runs' own (default: each document's tokens / "
+                   "--ratio).")
 @click.option("--ratio", type=click.FloatRange(min=1.5), default=4.0, show_default=True,
-              help="The job's compression: every candidate keeps each document's tokens / R (ignored with --budget).")
-@click.option("--job", "job_kind", type=click.Choice(("summarize", "retrieve", "both")), default="both",
-              show_default=True, help="What the layout is chosen for.")
+              help="The compression your runs use: every candidate keeps each document's tokens / R (ignored with "
+                   "--budget).")
+@click.option("--task", type=click.Choice(TUNE_TASKS), default="both", show_default=True,
+              help="What the layout is chosen for: summarize (summary fidelity), retrieve (pass keys) or both.")
+@click.option("--job", hidden=True, expose_value=False, callback=_refusal(TUNE_JOB_HINT))
 @click.option("--arms", default=None, help=f"Candidates, comma-separated (default: {','.join(TUNE_ARMS)}; random "
               f"eviction, the control, is always measured). All: " + ",".join(CANDIDATES))
 @click.option("--docs-limit", type=click.IntRange(min=1), default=None,
@@ -604,11 +963,13 @@ def stats_line(result: Any) -> str:
                    "(default with a target: 8,6,4,3,2); reports the smallest budget meeting the targets.")
 @click.version_option(__version__, prog_name="knorm-tune")
 def tune_command(docs: Optional[str], model: str, context_field: str, budget: Optional[int], ratio: float,
-                 job_kind: str, arms: Optional[str], docs_limit: Optional[int], doc_tokens: int, quick: bool,
+                 task: str, arms: Optional[str], docs_limit: Optional[int], doc_tokens: int, quick: bool,
                  out: Optional[str], no_save: bool, target_fidelity: Optional[float], target_keys: Optional[float],
                  sweep_ratios: Optional[str]) -> None:
-    """Measure eviction layouts on YOUR model (and your documents, DOCS: JSONL rows
-    with the document in --context-field) on three tasks at your job's compression,
+    """Measure which eviction layout keeps the most on your model and documents, and save it for --preset auto.
+
+    DOCS: JSONL rows with the document in --context-field (as knorm-batch reads
+    them). The layouts are measured on three tasks at your run's compression,
     through the product's own prefill: summary fidelity (the full cache's own
     summary, teacher-forced), pass keys placed inside the documents and in repeated
     filler (a filler's also asked inside one prompt, as generate_with_eviction runs
@@ -637,11 +998,11 @@ def tune_command(docs: Optional[str], model: str, context_field: str, budget: Op
     except (BatchUsageError, ValueError) as e:
         raise UsageFailure(str(e)) from None
     lengths = _tune_lengths(tokenizer, documents, doc_tokens, budget)
-    at = f"the job's budget {budget} (about {sum(lengths) / len(lengths) / budget:.1f}x)" if budget else f"{ratio:g}x"
+    at = f"your runs' budget {budget} (about {sum(lengths) / len(lengths) / budget:.1f}x)" if budget else f"{ratio:g}x"
     click.echo(f"knorm-tune: {len(names)} candidates on {len(documents)} document(s) of about "
-               f"{sum(lengths) // len(lengths)} tokens at {at}, job {job_kind}", err=True)
+               f"{sum(lengths) // len(lengths)} tokens at {at}, task {task}", err=True)
     try:
-        record = tune(loaded, tokenizer, documents, ratio=ratio, budget=budget, job=job_kind, arms=names,
+        record = tune(loaded, tokenizer, documents, ratio=ratio, budget=budget, job=task, arms=names,
                       doc_tokens=doc_tokens, fillers=TUNE_FILLERS[:1] if quick else TUNE_FILLERS, log=lambda m: None,
                       sweep=sweep, targets=(target_fidelity, target_keys))
     except KeyboardInterrupt:
@@ -664,7 +1025,7 @@ def _tune_arms(arms: Optional[str], quick: bool) -> tuple[str, ...]:
 
 def _tune_lengths(tokenizer: Any, documents: list, doc_tokens: int, budget: Optional[int]) -> list[int]:
     """Each document's tokens as measured (cut above ``doc_tokens``), or UsageFailure for
-    documents too short for the job's budget (or under 256 tokens)."""
+    documents too short for the runs' budget (or under 256 tokens)."""
     lengths = [min(len(tokenizer.encode(d.text, add_special_tokens=False)), doc_tokens) for d in documents]
     if budget is not None:
         short = [d.name for d, n in zip(documents, lengths) if n < 2 * budget]
@@ -751,8 +1112,10 @@ def _tune_documents(path: Optional[str], field: str, limit: int) -> list:
         text = row.get(field) if isinstance(row, dict) else None
         if not isinstance(text, str) or not text.strip():
             have = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
+            texts = [k for k, v in row.items() if isinstance(v, str) and v.strip()] if isinstance(row, dict) else []
+            name = f": --context-field {texts[0]}" if len(texts) == 1 else " with --context-field"
             raise UsageFailure(f"{path} line {n}: no text in field '{field}' (it has: {have}); name the document's "
-                               f"field with --context-field")
+                               f"field{name}")
         docs.append(Doc(str(row.get("id", n)), text))
         if len(docs) >= limit:
             break

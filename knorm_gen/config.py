@@ -679,12 +679,17 @@ class GenerationConfig:
     markers are control tokens. True parses special-token spellings in user
     text as the tokenizer's control tokens (what the template path did before)."""
 
-    max_tokens: int = _setting(256, "Tokens to generate at most, per row (per answer for question rows).")
+    max_tokens: int = _setting(256, "Tokens to generate at most, per row (per answer for question rows). 256, not "
+                                    "mlx_lm's 100: a summary of a long document in three or so sentences rarely fits "
+                                    "in 100 tokens.")
     temperature: float = _setting(0.0, "Sampling temperature; 0 = greedy.")
     top_p: float = _setting(1.0, "Nucleus sampling: keep the smallest set of tokens whose probability reaches p.")
     seed: Optional[int] = _setting(None, "Sampling seed, 0 to 2**64-1: set before each row at --batch-size 1, "
                                          "once per batch otherwise.")
-    prefill_step_size: int = _setting(512, "Prompt tokens per forward pass.")
+    prefill_step_size: int = _setting(512, "Prompt tokens per forward pass. 512, not mlx_lm's 2048: on a CPU a "
+                                           "smaller block bounds the transient memory of attention, and each later "
+                                           "block attends only to what eviction kept of the earlier ones, as the "
+                                           "product runs and was measured.")
     chat: Optional[bool] = _setting(None, "Apply the chat template to text prompts.",
                                     default_text="when the tokenizer has one")
     question_separator: str = _setting("\n\n", "Text between a context and each question.",

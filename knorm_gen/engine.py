@@ -500,7 +500,7 @@ def _alone(alone: Callable[[Request], list[GenerationResult]], request: Request)
 # ---- one request alone, on mlx_lm's stream_generate ---------------------------------
 
 
-def _stream_ids(model, tok, ids, caches, *, generation: GenerationConfig, config: dict,
+def stream_ids(model, tok, ids, caches, *, generation: GenerationConfig, config: dict,
                 prompt_tokens: int, probe_s: float = 0.0) -> Iterator[Union[str, GenerationResult]]:
     """Drive mlx_lm's stream_generate over ``caches``; yield text, then the result
     (``probe_s``: seconds spent before, counted as prefill)."""
@@ -549,7 +549,7 @@ def stream_request(model: Any, tokenizer: Any, request: Request) -> Iterator[Uni
     tok = as_tokenizer(tokenizer)
     caches = probe_caches(make_eviction_cache(model, request.eviction, request.spans), model, tok, request.ids,
                           request.spans)
-    for item in _stream_ids(model, tok, request.ids, caches, generation=generation,
+    for item in stream_ids(model, tok, request.ids, caches, generation=generation,
                             config=settings_dict(request.eviction, generation), prompt_tokens=len(request.ids),
                             probe_s=time.perf_counter() - tic):
         if isinstance(item, GenerationResult):
@@ -577,7 +577,7 @@ def run_alone(model: Any, tokenizer: Any, request: Request) -> list[GenerationRe
     config = settings_dict(request.eviction, generation)
     results = []
     for question, ids in zip(request.questions, request.question_ids):
-        *_, result = _stream_ids(model, tok, ids, pin_caches(copy_caches(caches)), generation=generation,
+        *_, result = stream_ids(model, tok, ids, pin_caches(copy_caches(caches)), generation=generation,
                                  config=config, prompt_tokens=len(request.context_ids) + len(ids), probe_s=context_s)
         result.question, result.context_prefill_s = question, context_s
         results.append(result)

@@ -217,9 +217,10 @@ class BatchSummary:
         if log:
             log(f"knorm-batch: warning: {message}")
 
-    def text(self, warnings: bool = True) -> str:
+    def text(self, warnings: bool = True, memory: bool = True) -> str:
         """The summary for stderr; ``warnings=False`` leaves out the warnings (a run
-        with a progress display has said them as they arose)."""
+        with a progress display has said them as they arose), ``memory=False`` the KV
+        memory line (such a run said it as it started)."""
         lines = [f"knorm-batch: {self.rows} rows: {self.ok} ok, {self.failed} failed, {self.skipped} skipped "
                  f"(already done) -> {self.output}"]
         if self.errors:
@@ -235,7 +236,7 @@ class BatchSummary:
                          f"(min {self.compression_min:.2f}x, max {self.compression_max:.2f}x)")
         lines.append(f"  wall {self.wall_s:.1f} s; {self.tokens_per_s:.1f} tokens/s processed, "
                      f"{self.generated_tokens_per_s:.1f} tokens/s generated")
-        if self.kv_memory:
+        if self.kv_memory and memory:
             lines.append(f"  {self.kv_memory}")
         if self.layout:
             lines.append(f"  layout: {self.layout['name']}: {self.layout['why']}")

@@ -102,8 +102,8 @@ def encode_with_spans(tokenizer: Any, prompt: Prompt, chat: Optional[bool] = Non
         if m.get("role") not in DOCUMENT_ROLES or not isinstance(m.get("content"), str) or not m["content"]:
             continue
         lead = m["content"][:pin_prefix_chars] if m["role"] == "user" else ""
-        start = _common_prefix(ids, _ids_before_marker(tokenizer, messages, i, lead, special))
-        end = _common_prefix(ids, _ids_before_marker(tokenizer, messages, i, m["content"], special))
+        start = _common_prefix(ids, ids_before_marker(tokenizer, messages, i, lead, special))
+        end = _common_prefix(ids, ids_before_marker(tokenizer, messages, i, m["content"], special))
         if end > start:
             spans.append((start, end))
     return ids, tuple(spans)
@@ -112,7 +112,7 @@ def encode_with_spans(tokenizer: Any, prompt: Prompt, chat: Optional[bool] = Non
 _MARKER = "\x00KNORM_MARK\x00"
 
 
-def _ids_before_marker(tokenizer: Any, messages: Sequence[dict], index: int, text: str, special: bool) -> list[int]:
+def ids_before_marker(tokenizer: Any, messages: Sequence[dict], index: int, text: str, special: bool) -> list[int]:
     """Token ids of the rendered chat up to where message ``index``'s content,
     replaced by ``text``, ends."""
     marked = [dict(m) for m in messages]
@@ -292,7 +292,7 @@ def context_spans(tokenizer: Any, context: str, context_ids: Sequence[int], *, c
     start = 0
     if chat:
         messages = with_system_prompt([{"role": "user", "content": context}], system_prompt)
-        start = _common_prefix(context_ids, _ids_before_marker(tokenizer, messages, len(messages) - 1,
+        start = _common_prefix(context_ids, ids_before_marker(tokenizer, messages, len(messages) - 1,
                                                                context[:pin_prefix_chars], special))
     elif pin_prefix_chars:
         start = _common_prefix(context_ids, encode_text(tokenizer, context[:pin_prefix_chars], special=special))

@@ -57,8 +57,24 @@ def test_max_kv_size_is_a_usage_error_that_names_budget(tmp_path, command):
     args = ([tmp_path / "in.jsonl"] if command is invoke else ["-p", "hi"]) + ["--max-kv-size", "512"]
     result = command(*args)
     assert result.exit_code == 2
-    assert "the per-layer token budget" in result.stderr and "--budget N" in result.stderr
+    assert "--budget N" in result.stderr and "--ratio R" in result.stderr
     assert "Did you mean" not in result.stderr
+    # each message names only options its own command has
+    assert ("--max-kv-memory" in result.stderr) == (command is invoke)
+    cli = batch_command if command is invoke else generate_command
+    hinted = set(re.findall(r"--[a-z][a-z-]+", result.stderr)) - {"--max-kv-size"}
+    assert hinted <= {o for p in cli.params for o in p.opts}
+
+
+def test_generate_max_kv_memory_names_budget_not_max_kv_size():
+    result = generate("-p", "hi", "--max-kv-memory", "2GiB")
+    assert result.exit_code == 2
+    assert "knorm-generate runs one prompt" in result.stderr
+    assert "--budget N" in result.stderr and "--ratio R" in result.stderr
+    assert "--max-kv-size" not in result.stderr and "Did you mean" not in result.stderr
+    options = {o for p in generate_command.params for o in p.opts}
+    hinted = set(re.findall(r"--[a-z][a-z-]+", result.stderr)) - {"--max-kv-memory"}
+    assert hinted <= options, hinted - options
 
 
 def test_max_kv_size_in_a_job_file_names_budget(tmp_path):
@@ -310,7 +326,9 @@ def test_generate_prints_the_text_then_one_stats_line(tiny_model_dir):
         rf"knorm-generate: prompt {want.prompt_tokens} tokens, kept {want.tokens_kept} of {want.tokens_seen} seen "
         rf"\(\d+\.\d\dx compression\); prompt \d+\.\d tokens/s, generation \d+\.\d tokens/s "
         rf"\({want.generated_tokens} tokens, {want.finish_reason}\); "
-        rf"peak memory \d+\.\d{{3}} GB; KV kept \d+\.\d MiB of \d+\.\d MiB", stats), stats
+        rf"peak memory \d+\.\d{{3}} GB; KV kept \d+\.\d MiB of \d+\.\d MiB "
+        rf"\(\d+\.\d MiB within the budget, plus \d+\.\d MiB for {want.tokens_pinned} pinned tokens held on top "
+        rf"of it: the template and the answer\)", stats), stats
 
 
 def test_generate_reads_stdin_takes_mlx_lm_names_and_warns_of_a_small_budget(tiny_model_dir):
@@ -368,3 +386,136 @@ def test_records_written_under_the_old_rule_names_resume_as_done(tmp_path, tiny)
     out.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
     result = invoke(inp, "-o", out, *tiny, "-q")
     assert result.exit_code == 2 and "keep: question_carry -> question" in result.stderr
+
+
+# ---------------------------------------------------------------- issue 56: a newcomer's review of the commands
+
+
+def _help(command):
+    result = CliRunner().invoke(command, ["-h"], terminal_width=100)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+ROWS = re.compile(r"\b(rows?|records?|batch(es)?|kv_ceiling_bytes)\b", re.IGNORECASE)
+
+
+def test_generate_help_and_verbose_lines_speak_of_one_prompt(tiny_model_dir):
+    text = _help(generate_command)
+    assert not ROWS.search(text), ROWS.search(text)
+    assert "mlx_lm's 100" in text  # why --max-tokens is 256
+    assert "--long-documents [error|truncate]" in text  # chunk answers question rows: not one prompt's
+    # knorm-batch keeps the fields' own words
+    from dataclasses import fields
+
+    from knorm_gen.config import GenerationConfig
+
+    own = {f.name: f.metadata["help"] for f in fields(GenerationConfig)}
+    batch = {p.name: p.help for p in batch_command.params}
+    assert all(batch[name].startswith(own[name]) for name in own)
+    result = generate("-p", "Hello there", "--model", tiny_model_dir, "--budget", "16", "-m", "2", "-v")
+    assert result.exit_code == 0, result.stderr
+    verbose = [line for line in result.stderr.splitlines() if not line.startswith("knorm-generate: prompt")]
+    assert any("KV memory: at most" in line for line in verbose), result.stderr
+    assert not any(ROWS.search(line) for line in verbose), verbose
+
+
+def test_generate_stats_line_splits_the_kv_kept_into_budget_and_pinned_tokens(tiny_model_dir):
+    from knorm_gen import EvictionConfig, generate_with_eviction, kv_memory
+    from knorm_gen.memory import mib
+
+    args = ["--model", tiny_model_dir, "--budget", "64", "-m", "4"]
+    result = generate("-p", LONG, *args, "-v")
+    assert result.exit_code == 0, result.stderr
+    model, tok = get_model(str(tiny_model_dir))
+    want = generate_with_eviction(model, tok, LONG, budget=64, max_tokens=4)
+    memory = kv_memory(model, EvictionConfig(budget=64))
+    pinned = want.tokens_pinned * memory.pinned_bytes_per_token
+    bound = re.search(r"KV memory: at most (\d+\.\d) MiB for the document whatever its length, plus (\d+\.\d) KiB "
+                      r"per pinned token \(the template and the answer, held on top of the budget\)", result.stderr)
+    assert bound and bound[1] == f"{memory.ceiling_bytes / 2**20:.1f}", result.stderr
+    assert bound[2] == f"{memory.pinned_bytes_per_token / 1024:.1f}"
+    stats = re.search(r"KV kept (\S+ MiB) of (\S+ MiB) \((\S+ MiB) within the budget, plus (\S+ MiB) for (\d+) pinned "
+                      r"tokens held on top of it: the template and the answer\)\n", result.stderr)
+    assert stats, result.stderr
+    assert stats.groups() == (mib(want.kept_bytes), mib(want.full_bytes), mib(want.kept_bytes - pinned), mib(pinned),
+                              str(want.tokens_pinned))
+    # what the budget holds is within the bound -v printed; the pinned tokens are what it is over
+    assert want.kept_bytes - pinned <= memory.ceiling_bytes < want.kept_bytes
+
+
+def test_batch_says_its_kv_memory_line_once(tmp_path, tiny):
+    inp = write_rows(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Hello there"}])
+    for quiet in ([], ["-q"]):
+        result = invoke(inp, "-o", tmp_path / "out.jsonl", *tiny, *quiet, "--overwrite")
+        assert result.exit_code == 0, result.stderr
+        assert result.stderr.count("KV memory per row") == 1, (quiet, result.stderr)
+
+
+def test_tune_takes_task_and_reads_the_context_field_by_default(tiny_model_dir, tmp_path, monkeypatch):
+    import knorm_gen.cli as cli
+
+    calls = []
+
+    def fake_tune(*args, **kw):
+        calls.append((args, kw))
+        raise KeyboardInterrupt  # the call is what this test checks: stop there
+
+    monkeypatch.setattr(cli, "tune", fake_tune)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"id": 1, "context": "Ships sail. " * 300}) + "\n")
+    result = CliRunner().invoke(cli.tune_command, [str(docs), "--model", str(tiny_model_dir), "--task", "retrieve"])
+    assert result.exit_code == 130, result.output
+    ((args, kw),) = calls
+    assert kw["job"] == "retrieve" and args[2][0].text.startswith("Ships sail.")
+    assert "task retrieve" in result.stderr
+    # knorm-batch's name for a TOML file is not knorm-tune's task
+    result = CliRunner().invoke(cli.tune_command, [str(docs), "--job", "retrieve"])
+    assert result.exit_code == 2 and "--task summarize, retrieve or both" in result.output
+    # rows shaped as knorm-batch's, with the document in another field: the fix is named
+    docs.write_text(json.dumps({"id": 1, "text": "Ships sail. " * 300}) + "\n")
+    result = CliRunner().invoke(cli.tune_command, [str(docs), "--model", str(tiny_model_dir)])
+    assert result.exit_code == 2 and "no text in field 'context'" in result.output
+    assert "--context-field text" in result.output
+    context_field = {p.name: p for p in cli.tune_command.params}["context_field"]
+    assert context_field.default == {p.name: p for p in batch_command.params}["context_field"].default == "context"
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["-v"], True), (["--verbose"], True), (["--verbose", "True"], True), (["--verbose", "False"], False),
+    (["-v", "0"], False), (["--verbose=false"], False), (["--verbose", "true"], True), ([], False),
+])
+def test_verbose_is_a_flag_that_also_takes_true_or_false(tmp_path, tiny, tiny_model_dir, flags, said):
+    inp = write_rows(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Hello there"}])
+    # the flag before INPUT: "-v in.jsonl" is the flag and the input, as ever
+    result = invoke(*flags, inp, "-o", tmp_path / "out.jsonl", *tiny, "-q")
+    assert result.exit_code == 0, result.stderr
+    assert ("row 'a' (line 1)" in result.stderr) == said, result.stderr
+    result = generate("-p", "Hello there", "--model", tiny_model_dir, "--budget", "16", "-m", "2", *flags)
+    assert result.exit_code == 0, result.stderr
+    assert ("KV memory: at most" in result.stderr) == said, result.stderr
+
+
+def test_a_verbose_value_that_is_no_truth_value_is_a_usage_error():
+    from knorm_gen.cli import verbose_args
+
+    result = generate("-p", "hi", "--verbose=maybe")
+    assert result.exit_code == 2 and "--verbose takes True or False (or nothing: -v), not 'maybe'" in result.stderr
+    assert verbose_args(["-v", "in.jsonl", "--verbose", "FALSE", "--", "-v", "1"]) == \
+        ["-v", "in.jsonl", "--no-verbose", "--", "-v", "1"]
+
+
+def test_each_command_says_what_it_does_in_its_first_sentence(capsys):
+    for command in (batch_command, generate_command):
+        first = _help(command).split("\n\n")[1].strip()
+        assert first.endswith(".") and first.count(". ") == 0, first
+    from knorm_gen.cli import tune_command
+
+    first = _help(tune_command).split("\n\n")[1].strip()
+    assert first.startswith("Measure which eviction layout") and first.count(". ") == 0, first
+    assert _help(batch_command).split("\n\n")[1].strip().startswith("Run a model with KV-cache eviction over every row")
+    from knorm_gen.probe import probe_cli
+
+    with pytest.raises(SystemExit):
+        probe_cli(["-h"])
+    assert "Inspect a model before running it with eviction" in capsys.readouterr().out

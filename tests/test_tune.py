@@ -297,14 +297,14 @@ def test_preset_auto_with_a_tuning_made_at_another_ratio_says_so_and_runs_the_de
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--job", "translate"], "translate"),
+    (["--task", "translate"], "translate"),
     (["--budget", "4000"], "twice the budget"),
     (["--arms", "low,nonsense"], "unknown candidate"),
     (["--arms", "random"], "only random eviction"),
 ])
 def test_bad_tuning_input_is_refused_before_any_measurement(tiny_model_dir, tmp_path, args, message):
     docs = tmp_path / "docs.jsonl"
-    docs.write_text(json.dumps({"id": 1, "text": "Ships sail. " * 300}) + "\n")
+    docs.write_text(json.dumps({"id": 1, "context": "Ships sail. " * 300}) + "\n")
     result = CliRunner().invoke(tune_command, [str(docs), "--model", str(tiny_model_dir), *args])
     assert result.exit_code == 2 and message in result.output, result.output
 
@@ -332,7 +332,7 @@ def test_the_arms_help_names_every_candidate():
 
 def test_a_quick_tuning_measures_three_documents_and_saves_its_choice(tiny_model_dir, tmp_path):
     docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"id": i, "text": f"Log {i}. The harbor keeps a log of ships and storms. " * 12})
+    docs.write_text("".join(json.dumps({"id": i, "context": f"Log {i}. The harbor keeps a log of ships and storms. " * 12})
                             + "\n" for i in range(4)))
     out = tmp_path / "tune.json"
     result = CliRunner().invoke(tune_command, [str(docs), "--model", str(tiny_model_dir), "--quick", "--out", str(out)],
@@ -355,7 +355,7 @@ def test_the_tuner_measures_the_jobs_compression_at_its_budget(tiny_model_dir, t
     n = len(tok.encode(text, add_special_tokens=False))
     assert 1900 < n < 2200
     docs = tmp_path / "docs.jsonl"
-    docs.write_text(json.dumps({"id": "long", "text": text}) + "\n")
+    docs.write_text(json.dumps({"id": "long", "context": text}) + "\n")
     out = tmp_path / "tune.json"
     result = CliRunner().invoke(tune_command, [str(docs), "--model", str(tiny_model_dir), "--budget", "256",
                                                "--arms", "default", "--quick", "--no-save", "--out",
@@ -405,7 +405,7 @@ def test_the_budget_sweep_reports_the_smallest_budget_meeting_both_targets():
 @pytest.mark.parametrize("sweep", ["8,abc", "1.2", "inf"])
 def test_a_bad_sweep_is_refused_before_the_model_loads(tmp_path, sweep):
     docs = tmp_path / "docs.jsonl"
-    docs.write_text(json.dumps({"id": 1, "text": "Ships sail. " * 300}) + "\n")
+    docs.write_text(json.dumps({"id": 1, "context": "Ships sail. " * 300}) + "\n")
     result = CliRunner().invoke(tune_command, [str(docs), "--model", str(tmp_path / "no-such-model"),
                                                "--sweep", sweep])
     assert result.exit_code == 2 and "--sweep" in result.output and "no-such-model" not in result.output, result.output
@@ -414,7 +414,7 @@ def test_a_bad_sweep_is_refused_before_the_model_loads(tmp_path, sweep):
 def test_the_sweep_at_the_tuned_ratio_repeats_the_tuning_and_budgets_follow_the_ratio(tiny_model_dir, tmp_path):
     text = "The harbor keeps a log of ships and storms. " * 16
     docs = tmp_path / "docs.jsonl"
-    docs.write_text(json.dumps({"id": 1, "text": text}) + "\n")
+    docs.write_text(json.dumps({"id": 1, "context": text}) + "\n")
     out = tmp_path / "tune.json"
     result = CliRunner().invoke(tune_command, [str(docs), "--model", str(tiny_model_dir), "--quick", "--arms", "low",
                                                "--target-keys", "0.5", "--sweep", "4,2", "--out", str(out)],
