@@ -67,11 +67,11 @@ from .sources import DEFAULT_GLOBS, PDF_EXTRA
 from .tune import (DOC_TOKENS, QUICK_ARMS, QUICK_DOCS, SWEEP_RATIOS, TUNE_ARMS, TUNE_DOCS, bounded, save_tuning,
                    tune)
 
-RUN_KEYS = ("input", "output", "model", "batch_size", "stats_log", "summary_json", "limit", "max_kv_memory",
+RUN_KEYS = ("input", "output", "model", "batch_size", "stats_log", "summary_json", "texts", "limit", "max_kv_memory",
             "extra_eos_tokens", "chat_template_config", "adapter_path", "trust_remote_code", "glob", "calibrate")
 JOB_KEYS = {None: RUN_KEYS, "eviction": EVICTION_FIELDS + ("preset",), "generation": GENERATION_FIELDS,
             "rows": ROWS_FIELDS}
-JOB_PATHS = ("input", "output", "stats_log", "summary_json", "adapter_path")
+JOB_PATHS = ("input", "output", "stats_log", "summary_json", "texts", "adapter_path")
 HELP = {"help_option_names": ["-h", "--help"]}
 
 OPTION_ALIASES = {"temperature": ("--temp",), "max_tokens": ("-m",), "chat": (" /--ignore-chat-template",)}
@@ -470,6 +470,9 @@ preset_option = click.option(
               help="Rows decoded together (1 = one row at a time, records in input order).")
 @click.option("--stats-log", type=click.Path(dir_okay=False), help="Write per-row stats (no texts) as JSONL.")
 @click.option("--summary-json", type=click.Path(dir_okay=False), help="Write the end-of-run summary as JSON.")
+@click.option("--texts", type=click.Path(dir_okay=False), metavar="FILE.md",
+              help="As the run ends, write every record's texts to FILE.md: a section per row (its id) with the "
+                   "completion, or each question and its answer. Needs -o FILE.")
 @click.option("--overwrite", is_flag=True, help="Start a fresh output instead of resuming.")
 @click.option("--accept-old-records", is_flag=True,
               help="Resume over records made from other rows or settings, counting them as done.")
@@ -517,7 +520,7 @@ def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optio
                            auto_layout=auto_layout(settings), batch_size=settings["batch_size"], overwrite=overwrite,
                            accept_old_records=accept_old_records, limit=settings.get("limit"),
                            stats_log=settings.get("stats_log"), summary_json=settings.get("summary_json"),
-                           rows=rows, globs=tuple(settings.get("glob") or ()), max_kv_memory=max_kv,
+                           texts=settings.get("texts"), rows=rows, globs=tuple(settings.get("glob") or ()), max_kv_memory=max_kv,
                            extra_eos_tokens=tuple(settings.get("extra_eos_tokens") or ()),
                            chat_template_config=settings.get("chat_template_config"),
                            adapter_path=settings.get("adapter_path"),

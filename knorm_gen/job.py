@@ -99,6 +99,7 @@ class BatchOptions:
     limit: Optional[int] = None
     stats_log: Optional[str] = None
     summary_json: Optional[str] = None
+    texts: Optional[str] = None  # a Markdown file of every record's texts, written as the run ends
     rows: RowsConfig = field(default_factory=RowsConfig)
     # A folder INPUT: the file name patterns to read (``--glob``); () = sources.DEFAULT_GLOBS. Not in a
     # record's config: its id (the file's path) and content are, and resume compares those
@@ -340,12 +341,15 @@ class _Files(Outputs):
 
     def check(self, options: BatchOptions, group: Group) -> None:
         named = [("input", self.input), ("output", self.output), ("stats log", self.stats_log),
-                 ("summary", options.summary_json)]
+                 ("summary", options.summary_json), ("texts", options.texts)]
+        if options.texts and is_stream(self.output):
+            raise BatchUsageError("--texts reads the records back from the output file: give -o FILE "
+                                  "(the output is stdout here)")
         if group.distributed:
             named += [("output part", self.own_output), ("stats log part", self.own_stats)]
         check_distinct_files(named)
         for path, what in ((self.own_output, "output"), (self.own_stats, "stats log"),
-                           (options.summary_json, "summary")):
+                           (options.summary_json, "summary"), (options.texts, "texts")):
             check_writable(path, what)
         if group.distributed and group.rank == 0:
             for path, what in ((self.output, "output"), (self.stats_log, "stats log")):
@@ -439,6 +443,7 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
             if group.distributed:
                 summary = _finish_group(files, ready, plan, summary, options, group)
             _write_summary(options.summary_json if group.rank == 0 else None, summary)
+            _write_texts(options.texts if group.rank == 0 else None, files.output, summary)
         finally:
             _release(ready)
     return summary
@@ -571,6 +576,19 @@ def _write_summary(path: Optional[str], summary: BatchSummary) -> None:
         rewrite_atomically(path, [(json.dumps(summary.to_dict(), indent=2) + "\n").encode()])
     except OSError as e:
         summary.io_error = summary.io_error or f"cannot write summary {path}: {e}"
+
+
+def _write_texts(path: Optional[str], output: str, summary: BatchSummary) -> None:
+    """Every record of ``output`` (this run's and earlier runs') as Markdown in ``path``."""
+    if not path or summary.io_error:
+        return
+    try:
+        with open(output, "rb") as f:
+            records = [r for r in map(rec.parse_record, f) if r is not None]
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        rewrite_atomically(path, [rec.texts_markdown(records, f"Texts of {output}").encode()])
+    except OSError as e:
+        summary.io_error = f"cannot write texts {path}: {e}"
 
 
 def _finish_group(files: _Files, ready: _Prepared, plan: ResumePlan, summary: BatchSummary,

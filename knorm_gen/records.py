@@ -18,7 +18,7 @@ import math
 import os
 import stat
 from pathlib import Path
-from typing import Any, BinaryIO, Optional, Sequence, Union
+from typing import Any, BinaryIO, Iterable, Optional, Sequence, Union
 
 # error.type values
 INVALID_UTF8 = "invalid_utf8"
@@ -244,3 +244,20 @@ def parse_record(line: bytes) -> Optional[dict]:
     return record
 
 
+
+
+def texts_markdown(records: Iterable[dict], title: str) -> str:
+    """The texts of ``records`` as Markdown a reader can open: a section per row (its id),
+    the completion, or each question in bold and its answer; a failed row says its error."""
+    out = [f"# {title}", ""]
+    for record in records:
+        out += [f"## {record.get('id')}", ""]
+        error = record.get("error")
+        if error:
+            out += [f"*failed ({error.get('type')}): {error.get('message')}*", ""]
+        elif record.get("answers") is not None:
+            for answer in record["answers"]:
+                out += [f"**{(answer.get('question') or '').strip()}**", "", (answer.get("answer") or "").strip(), ""]
+        else:
+            out += [(record.get("completion") or "").strip(), ""]
+    return "\n".join(out)

@@ -290,3 +290,20 @@ def test_two_ranks_share_and_merge_a_folder_as_one_process_does(tmp_path, tiny_m
     assert [a == b for a, b in zip(before, after)] == [True] * 4 + [False, True]  # bad.md failed: run again
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["ok"], summary["skipped"], summary["failed"]) == (1, 4, 1)
+
+
+def test_texts_file_holds_every_records_text_after_a_resume(tmp_path, tiny):
+    root = write(tmp_path / "docs", {"a.txt": "First document.\n", "b.txt": "Second document.\n", "c.md": b"\xff\n"})
+    out, texts = tmp_path / "out.jsonl", tmp_path / "texts.md"
+    assert invoke(root, "-o", out, *tiny, *QUESTION, "--limit", "1").exit_code == 0
+    assert invoke(root, "-o", out, *tiny, *QUESTION, "--texts", texts).exit_code == 1  # c.md is not UTF-8
+    md = texts.read_text(encoding="utf-8")
+    for r in records(out):  # the records on disk, the first one written by the earlier run
+        assert f"## {r['id']}" in md
+        if r["error"]:
+            assert r["error"]["type"] in md
+        else:
+            assert r["answers"][0]["question"] in md and r["answers"][0]["answer"].strip() in md
+    assert md.index("## a.txt") < md.index("## b.txt")
+    result = invoke(root, *tiny, *QUESTION, "-o", "-", "--texts", texts)
+    assert result.exit_code == 2 and "--texts" in result.stderr and "-o FILE" in result.stderr
