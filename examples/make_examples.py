@@ -1,4 +1,4 @@
-"""Rebuild examples/docs.jsonl, longdocs.jsonl and questions.jsonl from pydoc_data.topics.
+"""Rebuild examples/folder/, docs.jsonl, longdocs.jsonl and questions.jsonl from pydoc_data.topics.
 
 The text is the Python reference documentation that ships with CPython, so
 the files are deterministic for a given Python version (they were built
@@ -21,6 +21,10 @@ LONG_TOPICS = ["typesmapping", "attribute-access", "comparisons", "assignment", 
 # The main job (make run): sections of about 800-1,250 tokens, long enough that a
 # 128-token budget really evicts (about 2.5x smaller KV cache with the default layers).
 MAIN_TOPICS = ["with", "binary", "objects", "identifiers"]
+
+# The main job (make run) reads a folder: one text file per section, 2,000-3,300 tokens each,
+# so the default compression (a quarter of each document kept) really evicts.
+FOLDER_TOPICS = ["typesmapping", "execmodel", "import"]
 
 # Shorter sections, each with questions whose answers are in its text.
 QUESTIONS = {
@@ -47,10 +51,13 @@ def main() -> None:
                 for name in LONG_TOPICS]
     questions = [{"id": name, "context": topics[name].strip(), "questions": qs, "source": f"pydoc_data.topics:{name}"}
                  for name, qs in QUESTIONS.items()]
+    (HERE / "folder").mkdir(exist_ok=True)
+    for name in FOLDER_TOPICS:
+        (HERE / "folder" / f"{name}.txt").write_text(topics[name].strip() + "\n", encoding="utf-8")
     write_jsonl(HERE / "docs.jsonl", docs)
     write_jsonl(HERE / "longdocs.jsonl", longdocs)
     write_jsonl(HERE / "questions.jsonl", questions)
-    print(f"wrote {len(docs)} rows to docs.jsonl, {len(longdocs)} to longdocs.jsonl "
+    print(f"wrote {len(FOLDER_TOPICS)} files to folder/, {len(docs)} rows to docs.jsonl, {len(longdocs)} to longdocs.jsonl "
           f"and {len(questions)} to questions.jsonl")
 
 

@@ -385,7 +385,7 @@ class EvictionConfig:
         metavar="SHARE")
     early_factor: Optional[int] = _setting(
         None, "Bound every layer: nothing skipped, the first 30% of the full-attention layers hold N x --budget "
-        "(8: a memory ceiling at about today's retrieval; README, Results).")
+        "(8: a fixed memory ceiling near what --preset retrieval holds on an 8k-token document).")
     kv_bits: Optional[int] = _setting(
         None, "Store the kept keys and values quantized to 4 or 8 bits (mx.quantize; decode steps attend "
         "through mlx_lm's quantized SDPA); 'none' = full precision. Eviction still scores full-precision keys.",

@@ -44,7 +44,7 @@ two on the measured machine (benchmarks/cost.py; docs/results.md). A row's resul
 either way (tests/test_engine.py)."""
 
 DEFAULT_BATCH_SIZE = 8
-"""Rows decoded together by default (benchmarks/bench_batch.py; README, Results)."""
+"""Rows decoded together by default (benchmarks/bench_batch.py; docs/results.md)."""
 
 
 def needs_probe(eviction: Any) -> bool:

@@ -90,11 +90,11 @@ class ProbeReport:
         where = (f"keep='low' (the paper's rule: --preset paper or retrieval) is supported in layers {_ranges(good)}"
                  if good else "keep='low' is supported in no layer")
         if bad:
-            where += f" and not in {_ranges(bad)}, where it dropped pass keys on Gemma 3 (README, Results)"
+            where += f" and not in {_ranges(bad)}, where it dropped pass keys on Gemma 3 (docs/results.md)"
         return (f"{where}. The probe measures only that signal (a low-norm key draws attention); it cannot tell "
                 "which layers a summary needs covered (KeyDiff's criterion is not attention), so it cannot rank "
-                "keep='keydiff' per layer: the default (keydiff in every layer) was chosen by the fidelity, "
-                "pass-key and perplexity benchmarks, not by this probe")
+                "keep='keydiff' per layer, nor the default (keep='question', which reads what the job's own "
+                "instructions attend to), chosen by the fidelity, pass-key and perplexity benchmarks, not by this probe")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -221,6 +221,11 @@ def probe_model(
 
 def probe_cli(argv: Optional[list[str]] = None) -> None:
     """``knorm-probe``: print the per-layer table and the suggested skip_layers."""
+    make_probe_command().main(args=argv, prog_name="knorm-probe")
+
+
+def make_probe_command() -> Any:
+    """The ``knorm-probe`` click command, which :func:`probe_cli` runs (the docs test reads its options)."""
     import click
 
     @click.command(name="knorm-probe", context_settings={"help_option_names": ["-h", "--help"]})
@@ -255,4 +260,4 @@ def probe_cli(argv: Optional[list[str]] = None) -> None:
                 with open(json_path, "w", encoding="utf-8") as f:
                     f.write(text + "\n")
 
-    command.main(args=argv, prog_name="knorm-probe")
+    return command

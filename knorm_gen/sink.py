@@ -25,7 +25,7 @@ FIRST_ERRORS = 3
 
 LOW_BUDGET_SHARE = 0.25
 """Below this share of a prompt's tokens, a budget draws a warning (once per run):
-on the embedded model, summaries drift off topic there (README, Results)."""
+on the embedded model, summaries drift off topic there (docs/results.md)."""
 
 
 def budget_warning(budget: Optional[int], prompt_tokens: Optional[int], whose: str = "this row's") -> Optional[str]:
