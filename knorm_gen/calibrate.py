@@ -47,7 +47,7 @@ def settle(model: Any, tokenizer: Any, options: Any, documents: list, *, distrib
     """The layout of a run with ``options.calibrate`` (N) set: calibrated on the first N of
     ``documents`` (the texts of the input's first rows), or why not and what runs instead."""
     n, eviction = options.calibrate, options.eviction
-    ratio = getattr(eviction, "ratio", None) or run_ratio(tokenizer, documents, eviction.budget)
+    ratio = run_ratio(tokenizer, documents, eviction)
     given = layout_given(eviction)
     if given:
         return _instead(model, options, ratio, f"the layout was set ({describe(given)}), so it runs as given")

@@ -712,7 +712,7 @@ def _layout(model: Any, tokenizer: Any, eviction: EvictionConfig, preset: Option
 
     try:
         eviction, note = auto_config(model, eviction, auto_layout({**opts, "preset": preset}),
-                                     run_ratio(tokenizer, [text], eviction.budget))
+                                     run_ratio(tokenizer, [text], eviction))
     except ValueError as e:
         raise UsageFailure(str(e)) from None
     click.echo(f"knorm-generate: {note}", err=True)

@@ -2,7 +2,7 @@
 product's own prefill path (512-token blocks, later blocks attending only to what earlier
 ones kept, the template and questions pinned), against the full cache and random eviction
 at equal bytes. ``knorm-tune`` and the benchmarks measure through it; docs/results.md
-reports it. The three tasks (DESIGN.md section 9):
+reports it. The three tasks:
 
 - **fidelity**: the full cache's own greedy summary is the reference; each arm's
   teacher-forced NLL of it after its compressed context gives

@@ -43,7 +43,7 @@ def resolve_settings(model: Any, eviction: Eviction, generation: Optional[Genera
     if settings.get("preset") == "auto":  # the model's saved tuning (knorm-tune); the default without one
         from .tune import auto_config, run_ratio
 
-        ratio = run_ratio(tokenizer, texts, eviction.budget) if tokenizer is not None else None
+        ratio = run_ratio(tokenizer, texts, eviction) if tokenizer is not None else None
         eviction, note = auto_config(model, eviction, tuple(k for k in LAYOUT_FIELDS if k in settings), ratio)
         if note.startswith("preset auto: no saved tuning") or "so the default layout runs" in note:
             warnings.warn(note, stacklevel=3)

@@ -471,7 +471,7 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
                              log=log)
             eviction, note, layout = settled.eviction, settled.note, settled.layout
         elif options.auto_layout is not None:
-            ratio = run_ratio(tokenizer, _first_documents(source), options.eviction.budget)
+            ratio = run_ratio(tokenizer, _first_documents(source), options.eviction)
             eviction, note = auto_config(model, options.eviction, options.auto_layout, ratio)
         try:
             runner = _Runner(model, tokenizer, model_spec=options.model, eviction=eviction,

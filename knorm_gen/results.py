@@ -17,9 +17,12 @@ class GenerationResult:
     ``tokens_kept`` the positions a layer at the base ``budget`` holds (the fewest
     any compressed layer holds: ``early_factor`` gives the first 30% of layers more than the
     budget, and ``layer_budgets`` may give others more; ``kept_bytes`` counts them all);
-    ``compression_ratio = full_bytes / kept_bytes`` over all layers, where
-    ``full_bytes`` is a full-precision cache without eviction and ``kept_bytes`` what
-    is held as stored (with ``kv_bits``: packed values plus scales and biases);
+    ``compression_ratio`` the document's compression: what a full-precision full cache
+    would hold of the document's positions over what is held of them, over every layer
+    (eviction times quantization; the pinned tokens, held whole, are left out of both, so
+    under ``ratio=R`` it is R); ``full_bytes`` is the whole row in a full-precision cache
+    without eviction and ``kept_bytes`` what is held as stored, pinned tokens included
+    (with ``kv_bits``: packed values plus scales and biases);
     ``token_ratio = tokens_seen / tokens_kept`` (eviction alone);
     ``kv_ceiling_bytes`` the most this row can ever hold: the budget plus its
     pinned tokens, with the whole ``max_tokens`` answer (None when some layer

@@ -417,12 +417,14 @@ RATIO_TOLERANCE = 1.5
 ratio it was measured at (tuned at 4x: 2.7x to 6x); outside it the default runs."""
 
 
-def run_ratio(tokenizer: Any, texts: Iterable[Any], budget: Optional[int]) -> Optional[float]:
-    """A run's compression, as ``knorm-tune`` measures it: the mean tokens of its
-    documents (``texts``: strings, token ids or chat messages) per budget token.
-    None without a budget or a text."""
+def run_ratio(tokenizer: Any, texts: Iterable[Any], eviction: Any) -> Optional[float]:
+    """A run's compression, as ``knorm-tune`` measures it: the mean over its documents
+    (``texts``: strings, token ids or chat messages) of each one's tokens per token kept,
+    under ``eviction``'s ``ratio`` (1/R of each document) capped by its ``budget``. None
+    with neither, or without a text."""
+    ratio, budget = getattr(eviction, "ratio", None), getattr(eviction, "budget", None)
     if budget is None:
-        return None
+        return ratio
     tok = as_tokenizer(tokenizer)
     counts = []
     for t in texts:
@@ -432,7 +434,8 @@ def run_ratio(tokenizer: Any, texts: Iterable[Any], budget: Optional[int]) -> Op
             counts.append(sum(len(tok.encode(str(m.get("content", "")), add_special_tokens=False)) for m in t))
         elif isinstance(t, (list, tuple)) or hasattr(t, "shape"):
             counts.append(len(t))
-    return sum(counts) / len(counts) / budget if counts else None
+    per_doc = [max(ratio or 0.0, n / budget) for n in counts]
+    return sum(per_doc) / len(per_doc) if per_doc else None
 
 
 def tuning_refusal(saved: Optional[dict], ratio: Optional[float]) -> Optional[tuple[str, str]]:

@@ -600,3 +600,16 @@ def test_a_ctq_pass_key_is_asked_after_the_context_as_mlx_lm_would_answer_it_wit
     assert [c.offset for c in caches] == [c.offset for c in cache]
     for ours, theirs in zip(caches, cache):
         assert np.allclose(np.array(ours.state[0]), np.array(theirs.state[0]), atol=1e-4)
+
+
+def test_run_ratio_follows_the_ratio_and_its_budget_cap():
+    from knorm_gen.tune import run_ratio
+
+    from .zoo import tiny_tokenizer
+
+    docs = [list(range(400)), list(range(4000))]  # documents of 400 and 4,000 token ids
+    assert run_ratio(tiny_tokenizer(), docs, EvictionConfig(budget=200)) == pytest.approx((400 / 200 + 4000 / 200) / 2)
+    assert run_ratio(tiny_tokenizer(), docs, EvictionConfig(ratio=4, budget=None)) == 4
+    # 1/4, at most 500 tokens: the long one is kept at 500 (8x), the short one at 100 (4x)
+    assert run_ratio(tiny_tokenizer(), docs, EvictionConfig(ratio=4, budget=500)) == pytest.approx((4 + 8) / 2)
+    assert run_ratio(tiny_tokenizer(), docs, EvictionConfig(budget=None)) is None
