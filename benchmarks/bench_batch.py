@@ -2,7 +2,7 @@
 ``batch_generate`` with full caches at the same batch sizes.
 
     python benchmarks/bench_batch.py            # both workloads (about 1.5 h on 2 CPU cores; --sizes/--long-sizes trim it)
-    python benchmarks/bench_batch.py --quick    # smoke run
+    python benchmarks/bench_batch.py --quick    # smoke run (batch 1 and 2, two short rows per workload)
 
 Workloads: decode-heavy (short chat prompts, 256 new tokens) and the long-document
 summarization job (jobs/longdocs-summarize.toml's documents and settings, 128 new
@@ -125,13 +125,13 @@ def main(argv=None) -> dict:
                       decode_gen, sizes, log)
     job = load_job(str(ROOT / "jobs" / "longdocs-summarize.toml"))
     eviction, generation = build_configs(job)
-    generation = replace(generation, repetition_penalty=1.0)  # as measured before the job had one; mlx arms have none
+    generation = replace(generation, repetition_penalty=1.0)  # mlx_lm's arms have none: the same sampling in every arm
     rows = [json.loads(line) for line in Path(job["input"]).read_text().splitlines() if line.strip()]
-    # The instruction first, then the document: the prompt shape these numbers were first measured
-    # with (bench_summarize.py measures the job's own shape: documents with one job question).
+    # The instruction first, then the document (cost.py's whole job measures the job's own shape: documents
+    # with one question each, through knorm-batch's runner).
     prompts = ["Summarize the following documentation in three sentences.\n\n" + r["text"] for r in rows]
     if args.quick:
-        prompts = [p[:1500] for p in prompts[:2]]
+        prompts = [p[:800] for p in prompts[:2]]
         generation = GenerationConfig(max_tokens=8)
     # 10 documents: a batch of 16 would hold them all, like 8 nearly does; 16 is left to the short rows
     longdocs = workload(model, tok, "longdocs", prompts, eviction, generation, long_sizes, log)

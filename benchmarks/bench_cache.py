@@ -3,19 +3,21 @@
     python benchmarks/bench_cache.py                 # default model, 1k / 4k / 8k tokens of context
     python benchmarks/bench_cache.py --model tiny    # random small llama, seconds
 
-Arms: full ``KVCache``; ``RotatingKVCache(budget, keep=4)`` in every
-full-attention layer (what ``max_kv_size`` gives an mlx_lm user); keep-low in
-every full-attention layer (``l2norm``, the like-for-like arm); ``keydiff`` and
-``blend`` in every full-attention layer; ``skip30`` (keep-low, the first 30% of
-the full-attention layers uncompressed: the default before issue 19); ``paper``
-(keep-low, layers 0-1 uncompressed); and ``l2norm_default``, the library default
-whatever it is when the benchmark runs. All run mlx_lm's own ``generate_step``
-on the same prompt. Prints prefill and decode tokens/s and ratios, the share of
-prefill time spent in eviction (selection measured in isolation on the same
-block sequence), the default's prefill rate at each length against its rate at
+The caches as an mlx_lm user drives them: :func:`knorm_gen.make_eviction_cache` handed
+to mlx_lm's own ``generate_step``, with no probe of a prompt (the product's path, probe
+included, is ``benchmarks/cost.py``'s). Arms: full ``KVCache``;
+``RotatingKVCache(budget, keep=4)`` in every full-attention layer (what ``max_kv_size``
+gives an mlx_lm user); keep-low in every full-attention layer (``l2norm``, the
+like-for-like arm); ``keydiff`` and ``blend`` in every full-attention layer; ``skip30``
+(keep-low, the first 30% of the full-attention layers uncompressed); ``paper`` (keep-low,
+layers 0-1 uncompressed); and ``intrinsic`` (``--preset intrinsic``, the preset whose
+rules need no probe). All run on the same prompt. Prints prefill and decode tokens/s and
+ratios, the share of prefill time spent in eviction (selection measured in isolation on
+the same block sequence), ``intrinsic``'s prefill rate at each length against its rate at
 the shortest, and each rule's cost per prefill block and per decode step against
-``keep="low"`` (one layer's cache, the model's KV shapes, in isolation).
-Writes ``benchmarks/results/cache_speed.json``.
+``keep="low"`` (one layer's cache, the model's KV shapes, in isolation; the question rule
+with a random probe of 40 tokens per query head). Writes
+``benchmarks/results/cache_speed.json``.
 
     python benchmarks/bench_cache.py --model gemma-3-270m --contexts 1024,8192,16384
 """
@@ -32,12 +34,13 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from knorm_gen import EvictionConfig, L2NormKVCache, cache_stats, make_eviction_cache, runtime_info
-from knorm_gen.config import PRESETS, early_layers
+from knorm_gen import PRESETS, EvictionConfig, EvictionKVCache, cache_stats, make_eviction_cache, runtime_info
+from knorm_gen.config import early_layers
 from knorm_gen.mlx_compat import full_attention_layers
-from knorm_gen.scores import PROBED, SCORES
+from knorm_gen.rules import RULES, rule_needs
+from knorm_gen.rules.question import Probe
 
-ARMS = ("full", "rotating", "l2norm", "keydiff", "blend", "skip30", "paper", "l2norm_default")
+ARMS = ("full", "rotating", "l2norm", "keydiff", "blend", "skip30", "paper", "intrinsic")
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -72,8 +75,8 @@ def make_arm(model, arm: str, budget: int):
         "blend": EvictionConfig(budget=budget, keep="blend", skip_layers=(), coverage=0.0),
         "skip30": EvictionConfig(budget=budget, keep="low", skip_layers=early_layers(len(model.layers), full), coverage=0.0),
         "paper": EvictionConfig(budget=budget, keep="low", skip_layers=(0, 1), coverage=0.0),
-        # 0.5's and 0.6's default (--preset intrinsic): this script times caches fed without a probe
-        "l2norm_default": EvictionConfig(budget=budget, **PRESETS["intrinsic"]),
+        # the preset whose rules need no probe: this script feeds caches without one
+        "intrinsic": EvictionConfig(budget=budget, **PRESETS["intrinsic"]),
     }
     return make_eviction_cache(model, configs[arm])
 
@@ -101,7 +104,7 @@ def run_arm(model, caches, prompt: mx.array, decode: int, step: int) -> dict:
 
 
 def eviction_cost(model, context: int, budget: int, step: int, n_compressed: int, repeats: int = 3) -> float:
-    """Seconds spent in L2NormKVCache updates over a whole prefill, all compressed layers."""
+    """Seconds spent in keep-low cache updates over a whole prefill, all compressed layers."""
     attn = model.layers[0].self_attn
     heads, dim = attn.n_kv_heads, attn.head_dim
     dtype = model.layers[0].self_attn.k_proj.weight.dtype
@@ -111,7 +114,7 @@ def eviction_cost(model, context: int, budget: int, step: int, n_compressed: int
     mx.eval(blocks)
     best = float("inf")
     for _ in range(repeats):
-        caches = [L2NormKVCache(budget) for _ in range(n_compressed)]
+        caches = [EvictionKVCache(budget) for _ in range(n_compressed)]
         tic = time.perf_counter()
         for b in blocks:
             for c in caches:
@@ -121,25 +124,26 @@ def eviction_cost(model, context: int, budget: int, step: int, n_compressed: int
     return best
 
 
-def rule_cost(model, budget: int, step: int, repeats: int = 5) -> dict:
+def rule_cost(model, budget: int, step: int, repeats: int = 5, steps: int = 64) -> dict:
     """Microseconds per prefill block (``step`` tokens into a cache already at the
     budget) and per decode step over budget, one layer's cache, each rule."""
     attn = model.layers[0].self_attn
     heads, dim = attn.n_kv_heads, attn.head_dim
     blocks = [mx.random.normal((1, heads, step, dim), key=mx.random.key(i)) for i in range(4)]
-    tokens = [mx.random.normal((1, heads, 1, dim), key=mx.random.key(100 + i)) for i in range(64)]
+    tokens = [mx.random.normal((1, heads, 1, dim), key=mx.random.key(100 + i)) for i in range(steps)]
     mx.eval(blocks, tokens)
     group = attn.n_heads // heads
     # keep="question"'s probe: 40 probe tokens (instructions, question, draft) per query head, sentence pieces of 12
     q = mx.random.normal((1, heads, group * 40, dim), key=mx.random.key(999))
-    probe = (q * mx.rsqrt(mx.sum(q * q, axis=-1, keepdims=True)), mx.arange(4 * step)[None] // 12)
+    pieces = mx.arange(4 * step)[None] // 12
+    probe = Probe(q * mx.rsqrt(mx.sum(q * q, axis=-1, keepdims=True)), pieces, mx.zeros(pieces.shape, mx.bool_))
     out = {}
-    for keep in SCORES:
+    for keep in RULES:
         best_block = best_step = float("inf")
         for _ in range(repeats):
-            c = L2NormKVCache(budget, keep=keep)
-            if keep in PROBED:
-                c.probe = probe
+            c = EvictionKVCache(budget, keep=keep)
+            if rule_needs(keep) == "probe":
+                c.set_probe([probe])
             c.update_and_fetch(blocks[0], blocks[0])
             mx.eval(c.state)
             tic = time.perf_counter()
@@ -188,17 +192,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode", type=int, default=48)
     ap.add_argument("--prefill-step", type=int, default=512)
     ap.add_argument("--arms", default="", help=f"comma-separated, of {', '.join(ARMS)} (default: all; --quick: "
-                    "full, rotating, l2norm, l2norm_default)")
-    ap.add_argument("--quick", action="store_true", help="1024 tokens of context, 16 decode steps")
+                    "full, rotating, l2norm, intrinsic)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 256 tokens of context, budget 64, "
+                    "128-token blocks, 8 decode steps, one repeat")
     ap.add_argument("--out", default=str(RESULTS / "cache_speed.json"))
     args = ap.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     arm_names = tuple(a for a in args.arms.split(",") if a) or (
-        ("full", "rotating", "l2norm", "l2norm_default") if args.quick else ARMS)
+        ("full", "rotating", "l2norm", "intrinsic") if args.quick else ARMS)
     if set(arm_names) - set(ARMS):
         ap.error(f"unknown arms {sorted(set(arm_names) - set(ARMS))}; allowed: {', '.join(ARMS)}")
     if args.quick:
-        contexts, args.decode = [1024], 16
+        contexts, args.decode, args.budget, args.prefill_step = [256], 8, 64, 128
 
     model = load(args.model)
     # Warm-up (kernels, allocator) so the first arm is not penalised.
@@ -206,9 +211,9 @@ def main(argv=None) -> dict:
     warm = mx.random.randint(0, vocab, (256,), key=mx.random.key(1)).astype(mx.int32)
     run_arm(model, make_arm(model, "full", args.budget), warm, 4, args.prefill_step)
     results = [bench_context(model, c, args.budget, args.decode, args.prefill_step, arm_names) for c in contexts]
-    default_rate = {r["context"]: r["arms"]["l2norm_default"]["prefill_tps"] for r in results
-                    if "l2norm_default" in r["arms"]}
-    shortest = min(default_rate, default=None)
+    intrinsic_rate = {r["context"]: r["arms"]["intrinsic"]["prefill_tps"] for r in results
+                      if "intrinsic" in r["arms"]}
+    shortest = min(intrinsic_rate, default=None)
     out = {
         "benchmark": "cache_speed",
         "model": args.model,
@@ -219,9 +224,10 @@ def main(argv=None) -> dict:
                                                                full_attention_layers(model)).skip_layers),
         "default_config": EvictionConfig().to_dict(),
         "contexts": results,
-        # the default's prefill tokens/s at each length over its rate at the shortest (issue 19: >= 0.8 at 8k)
-        "default_prefill_vs_shortest": {str(c): r / default_rate[shortest] for c, r in default_rate.items()},
-        "rule_cost": rule_cost(model, args.budget, args.prefill_step, repeats=1 if args.quick else 5),
+        # intrinsic's prefill tokens/s at each length over its rate at the shortest
+        "intrinsic_prefill_vs_shortest": {str(c): r / intrinsic_rate[shortest] for c, r in intrinsic_rate.items()},
+        "rule_cost": rule_cost(model, args.budget, args.prefill_step, repeats=1 if args.quick else 5,
+                               steps=8 if args.quick else 64),
         "runtime": runtime_info(),
     }
     for keep, c in out["rule_cost"].items():

@@ -12,6 +12,7 @@ Writes benchmarks/results/load.json and prints a table. Every cache it fills
 is a temporary folder, removed at the end.
 
     python benchmarks/bench_load.py [--models default,gemma-3-270m]
+    python benchmarks/bench_load.py --quick [--models PATH]   # smoke run: the first model, MLX's read alone
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import knorm_gen  # noqa: E402,F401  (BLAS preload before mlx)
 RESULTS = ROOT / "benchmarks" / "results" / "load.json"
 
 
-def readers() -> dict:
+def readers(gguf_package: bool = True) -> dict:
+    """Seconds to read the embedded model's GGUF with MLX and (``gguf_package``) with the ``gguf`` package."""
     import mlx.core as mx
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -52,19 +54,21 @@ def readers() -> dict:
         mx.eval(mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=32,
                               bits=w.shape[-1] // s.shape[-1]))
     mlx_dequant = time.perf_counter() - t
-    t = time.perf_counter()
-    reader = GGUFReader(path)
-    gguf_read = time.perf_counter() - t
-    t = time.perf_counter()
-    for tensor in reader.tensors:
-        dequantize(tensor.data, tensor.tensor_type)
-    gguf_dequant = time.perf_counter() - t
+    gguf_read = gguf_dequant = None
+    if gguf_package:
+        t = time.perf_counter()
+        reader = GGUFReader(path)
+        gguf_read = round(time.perf_counter() - t, 2)
+        t = time.perf_counter()
+        for tensor in reader.tensors:
+            dequantize(tensor.data, tensor.tensor_type)
+        gguf_dequant = round(time.perf_counter() - t, 2)
     return {
         "file": Path(path).name,
         "mx_load_s": round(mlx_read, 2),
         "mlx_dequantize_s": round(mlx_dequant, 2),
-        "gguf_reader_s": round(gguf_read, 2),
-        "gguf_dequantize_s": round(gguf_dequant, 2),
+        "gguf_reader_s": gguf_read,
+        "gguf_dequantize_s": gguf_dequant,
     }
 
 
@@ -85,10 +89,14 @@ def timed_load(spec: str, cache: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="default,gemma-3-270m")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: the first of --models only, and the GGUF "
+                    "read by MLX alone (the gguf package's parse takes seconds)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
+    if args.quick:
+        args.models = args.models.split(",")[0]
 
-    result = {"runtime": knorm_gen.runtime_info(), "readers": readers(), "loads": []}
+    result = {"runtime": knorm_gen.runtime_info(), "readers": readers(gguf_package=not args.quick), "loads": []}
     for spec in args.models.split(","):
         with tempfile.TemporaryDirectory(prefix="knorm-bench-cache-") as cache:
             first = timed_load(spec, cache)
@@ -100,8 +108,9 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     r = result["readers"]
-    print(f"{r['file']}: mx.load {r['mx_load_s']} s + MLX dequantize {r['mlx_dequantize_s']} s; "
-          f"gguf reader {r['gguf_reader_s']} s + numpy dequantize {r['gguf_dequantize_s']} s")
+    print(f"{r['file']}: mx.load {r['mx_load_s']} s + MLX dequantize {r['mlx_dequantize_s']} s"
+          + (f"; gguf reader {r['gguf_reader_s']} s + numpy dequantize {r['gguf_dequantize_s']} s"
+             if r["gguf_reader_s"] is not None else ""))
     print("| model | first load s | cached load s | cache MiB |")
     print("|---|---|---|---|")
     for row in result["loads"]:

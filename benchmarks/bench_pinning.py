@@ -3,6 +3,7 @@ still holds after prefill, and a code written only in the system prompt, asked f
 after a long document, with the full cache and at 4x and 8x of the prompt's tokens.
 
     python benchmarks/bench_pinning.py [--docs 3] [--out results/pinning.json]
+    python benchmarks/bench_pinning.py --quick     # smoke run: one document cut to 1,000 characters
 """
 
 from __future__ import annotations
@@ -45,10 +46,14 @@ def held_share(model, tok, text: str, budget: int) -> tuple[float, float]:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--docs", type=int, default=3)
+    ap.add_argument("--model", default="default", help="'default' (the embedded model) or a spec for load_model")
+    ap.add_argument("--quick", action="store_true", help="one document cut to its first 1,000 characters")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pinning.json"))
     args = ap.parse_args(argv)
-    model, tok = load_model()
+    model, tok = load_model(None if args.model == "default" else args.model)
     sections = [text for name, text in pydoc_sections() if 6000 <= len(text) <= 12000][: args.docs]
+    if args.quick:
+        sections = [sections[0][:1000]]
     rng = random.Random(0)
     rows = []
     for i, text in enumerate(sections):
@@ -66,7 +71,7 @@ def main(argv=None) -> dict:
         print(f"doc {i} ({rows[-1]['tokens']} tokens): instruction tokens held at budget 128: mean {mean:.0%}, "
               f"worst layer/head {worst:.0%}; code found {found}", flush=True)
         rows.append(dict(doc=i, held_mean=mean, held_worst=worst))
-    result = {"model": "default", "budget_held": 128, "rows": rows}
+    result = {"model": args.model, "budget_held": 128, "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=1))
     return result
 

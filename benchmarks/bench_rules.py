@@ -1,7 +1,7 @@
 """What each eviction rule costs in the cache alone, and how exact leverage is, in one run.
 
     python benchmarks/bench_rules.py            # SmolLM2-like and Gemma-like shapes, random keys
-    python benchmarks/bench_rules.py --quick    # fewer repeats (a smoke run)
+    python benchmarks/bench_rules.py --quick    # a smoke run (seconds): one repeat, small blocks
 
 Times, for ``keep`` = low, keydiff and leverage, one prefill block (``--block``
 tokens into caches already at the budget, every compressed layer) and one decode
@@ -28,7 +28,7 @@ import numpy as np
 
 from knorm_gen import runtime_info
 from knorm_gen.cache import EvictionKVCache
-from knorm_gen.scores import LEVERAGE_REFRESH, LEVERAGE_RIDGE, running_update, score_leverage
+from knorm_gen.rules.leverage import LEVERAGE_REFRESH, LEVERAGE_RIDGE, Leverage
 
 SHAPES = {"smollm2": dict(heads=3, dim=64, layers=30), "gemma3": dict(heads=1, dim=256, layers=3)}
 RULES = ("low", "keydiff", "leverage")
@@ -71,7 +71,7 @@ def realistic_keys(heads: int, dim: int, t: int, seed: int) -> np.ndarray:
 
 def float64_scores(keys: np.ndarray, splits: list[int]) -> list[np.ndarray]:
     """Leverage of each block's keys, from the definition in float64 (λ set at the
-    blocks and at the decode steps that refresh it, as in knorm_gen.scores)."""
+    blocks and at the decode steps that refresh it, as :mod:`knorm_gen.rules.leverage` does)."""
     out, seen, lam, dim = [], 0, None, keys.shape[-1]
     for n in splits:
         seen += n
@@ -91,11 +91,11 @@ def leverage_error(heads: int, dim: int, splits: list[int], seed: int = 0) -> fl
     """Largest relative difference of the float32 scores from the float64 ones."""
     keys = realistic_keys(heads, dim, sum(splits), seed)
     want = float64_scores(keys, splits)
-    state, seen, worst = None, 0, 0.0
+    rule, state, seen, worst = Leverage(), None, 0, 0.0
     for n, ref in zip(splits, want):
         block = mx.array(keys[None, :, seen : seen + n].astype(np.float32))
-        state = running_update("leverage", state, block, seen)
-        got = np.array(score_leverage(block, None, state))[0]
+        state = rule.update(state, block, [seen], [n])
+        got = np.array(rule.score(block, None, state))[0]
         worst = max(worst, float(np.max(np.abs(got - ref) / np.abs(ref))))
         seen += n
     return worst
@@ -106,10 +106,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--block", type=int, default=512)
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed")
-    ap.add_argument("--quick", action="store_true", help="one repeat, 16 decode steps, a shorter error check")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: one repeat, 128-token blocks, 8 decode steps, a 32-step error check")
     ap.add_argument("--out", default=None, help="also write the numbers as JSON here")
     args = ap.parse_args(argv)
-    repeats, steps = (1, 16) if args.quick else (5, args.steps)
+    repeats, steps = (1, 8) if args.quick else (5, args.steps)
+    if args.quick:
+        args.budget, args.block = min(args.budget, 128), min(args.block, 128)
     out = {"benchmark": "rule_cost", "budget": args.budget, "block": args.block, "cost": {}, "leverage_error": {}}
     for shape, dims in SHAPES.items():
         cost = {keep: time_rule(keep, **dims, budget=args.budget, block=args.block, steps=steps, repeats=repeats)
@@ -124,7 +127,7 @@ def main(argv=None) -> dict:
                   f"{c['block_vs_keydiff']:5.2f}x keydiff)   decode step {c['decode_us'] / 1000:7.3f} ms "
                   f"({c['decode_vs_low']:5.2f}x low, {c['decode_vs_keydiff']:5.2f}x keydiff)", flush=True)
         out["cost"][shape] = {"shape": dims, "rules": cost}
-    decode = 256 if args.quick else 1024
+    decode = 32 if args.quick else 1024
     for shape, dims in SHAPES.items():
         for name, splits in (("blocks", [args.block] * 4), ("decode", [args.block] + [1] * decode)):
             err = leverage_error(dims["heads"], dims["dim"], splits)

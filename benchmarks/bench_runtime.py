@@ -4,12 +4,13 @@ Arms:
   * float32 matmul GFLOP/s with the OpenBLAS preload (this process) and
     without it (a subprocess with KNORM_NO_BLAS=1: the preload has to happen
     before mlx is imported, so it cannot be undone in-process);
-  * default model (SmolLM2-135M-Instruct) prefill and decode tok/s on the
-    float32 path, and optionally on the GGUF's quantized weights.
+  * the model's prefill and decode tok/s (the embedded SmolLM2-135M-Instruct
+    unless ``--model``) on the float32 path, and optionally on the GGUF's
+    quantized weights.
 
 Writes benchmarks/results/runtime.json and prints a table.
 
-    python benchmarks/bench_runtime.py [--quick] [--include-quantized]
+    python benchmarks/bench_runtime.py [--quick] [--include-quantized] [--model SPEC]
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def matmul_arm(sizes: list[int], seconds: float) -> dict:
     return {str(n): round(matmul_gflops(n, seconds), 2) for n in sizes}
 
 
-def model_arm(float32: bool, prompt_tokens: int, decode_tokens: int, repeats: int) -> dict:
+def model_arm(float32: bool, prompt_tokens: int, decode_tokens: int, repeats: int, spec: str = "default") -> dict:
     from mlx_lm.models.cache import make_prompt_cache
 
     from knorm_gen.models import load_model
@@ -66,7 +67,7 @@ def model_arm(float32: bool, prompt_tokens: int, decode_tokens: int, repeats: in
     t = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, tok = load_model(float32=float32)
+        model, tok = load_model(None if spec == "default" else spec, float32=float32)
     load_s = time.perf_counter() - t
 
     ids = tok.encode(TEXT, add_special_tokens=False)
@@ -113,7 +114,8 @@ def no_blas_subprocess(sizes: list[int], seconds: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="finish in under ~2 minutes")
+    ap.add_argument("--quick", action="store_true", help="a smoke run (seconds)")
+    ap.add_argument("--model", default="default", help="'default' (the embedded model) or a spec for load_model")
     ap.add_argument("--include-quantized", action="store_true",
                     help="also time the GGUF's quantized weights (slow on CPU)")
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -128,19 +130,19 @@ def main() -> None:
         return
 
     quick = args.quick
-    sizes = [1024] if quick else [1024, 2048]
-    seconds = 1.0 if quick else 3.0
-    prompt_tokens, decode_tokens = (256, 32) if quick else (512, 64)
+    sizes = [512] if quick else [1024, 2048]
+    seconds = 0.2 if quick else 3.0
+    prompt_tokens, decode_tokens = (128, 8) if quick else (512, 64)
     repeats = 1 if quick else 3
 
     info = runtime.runtime_info()
     t0 = time.perf_counter()
     blas = matmul_arm(sizes, seconds)
     ref = no_blas_subprocess(sizes, seconds)
-    arms = [model_arm(True, prompt_tokens, decode_tokens, repeats)]
+    arms = [model_arm(True, prompt_tokens, decode_tokens, repeats, args.model)]
     if args.include_quantized:
         # Quantized CPU prefill runs ~8 tok/s: keep this arm short.
-        arms.append(model_arm(False, min(prompt_tokens, 128), min(decode_tokens, 16), 1))
+        arms.append(model_arm(False, min(prompt_tokens, 128), min(decode_tokens, 16), 1, args.model))
 
     result = {
         "runtime": info,
