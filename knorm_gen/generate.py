@@ -4,17 +4,16 @@ context compressed once for several questions."""
 
 from __future__ import annotations
 
-import time
 import warnings
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
-import mlx.core as mx
-
-from .config import LAYOUT_FIELDS, EvictionConfig, GenerationConfig, ResolvedEviction, make_configs, settings_dict
+from .config import LAYOUT_FIELDS, EvictionConfig, GenerationConfig, ResolvedEviction, make_configs
 from .engine import DEFAULT_BATCH_SIZE, Request, run_jobs, stream_request
-from .prompts import Prompt, as_tokenizer, has_chat_template, check_length, context_spans, encode_with_spans, question_prompts
+from .prompts import (Prompt, as_tokenizer, check_length, context_spans, encode_text, encode_with_spans,
+                      has_chat_template, question_prompts)
 from .results import GenerationResult
-from .long_documents import answer_in_pieces, fit_context, fit_prompt, needs_pieces
+from .long_documents import REDUCE_HEADER, fit_context, fit_prompt, needs_pieces, pieces, room_for
 from .spans import span_positions
 from .support import check_model
 
@@ -241,3 +240,43 @@ def question_request(model: Any, tokenizer: Any, key: Any, context: str, questio
                           pin_prefix_chars=generation.pin_prefix_chars)
     return Request(key, for_document(eviction, spans, len(context_ids)), generation, context_ids=context_ids,
                    questions=questions, question_ids=question_ids, spans=spans, tag=tag, long_document=info)
+
+
+# ---- documents longer than the context, in pieces (long_documents="chunk") ----------------
+
+
+def answer_in_pieces(model: Any, tokenizer: Any, context: str, questions: Sequence[str],
+                     eviction: ResolvedEviction, generation: GenerationConfig, batch_size: int,
+                     seed: Optional[int] = None) -> list:
+    """Map, then reduce: each question answered on every piece of ``context`` that fits, with
+    eviction (the pieces decode together), then once more over the pieces' answers. One result
+    per question; its cache numbers are its largest piece's, its times the sum of every step's,
+    and its ``long_document`` lists the pieces."""
+    _, fits = room_for(model, tokenizer, context, questions, generation)
+    parts = pieces(tokenizer, context, fits, generation)
+    requests = [question_request(model, tokenizer, i, part, questions, eviction, generation)
+                for i, part in enumerate(parts)]
+    mapped = {r.key: results for r, results in run_jobs(model, tokenizer, requests, batch_size=batch_size, seed=seed)}
+    by_piece = [mapped[i] for i in range(len(parts))]
+    final = []
+    for q, question in enumerate(questions):
+        notes = "\n\n".join(REDUCE_HEADER.format(i=i + 1, n=len(parts)) + results[q].text.strip()
+                            for i, results in enumerate(by_piece))
+        reduce = question_request(model, tokenizer, "reduce", notes, [question], eviction, generation)
+        ((_, (answer,)),) = run_jobs(model, tokenizer, [reduce], batch_size=batch_size, seed=seed)
+        final.append(_with_pieces(answer, [results[q] for results in by_piece], parts, tokenizer))
+    return final
+
+
+def _with_pieces(answer: Any, mapped: list, parts: list[str], tokenizer: Any) -> Any:
+    peak = max(mapped, key=lambda r: r.tokens_seen)
+    info = {"mode": "chunk", "document_tokens": sum(len(encode_text(tokenizer, p)) for p in parts),
+            "pieces": [{"tokens": len(encode_text(tokenizer, p)), "tokens_seen": r.tokens_seen,
+                        "tokens_kept": r.tokens_kept, "compression_ratio": r.compression_ratio, "answer": r.text}
+                       for p, r in zip(parts, mapped)]}
+    return replace(answer, tokens_seen=peak.tokens_seen, tokens_kept=peak.tokens_kept,
+                   tokens_pinned=peak.tokens_pinned, compression_ratio=peak.compression_ratio,
+                   token_ratio=peak.token_ratio, kept_bytes=peak.kept_bytes, full_bytes=peak.full_bytes,
+                   kv_ceiling_bytes=peak.kv_ceiling_bytes, prompt_tokens=peak.prompt_tokens,
+                   prefill_s=answer.prefill_s + sum(r.prefill_s for r in mapped),
+                   decode_s=answer.decode_s + sum(r.decode_s for r in mapped), long_document=info)

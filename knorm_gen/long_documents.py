@@ -16,10 +16,9 @@ record) is None when the document fit.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any, Optional, Sequence
 
-from .config import GenerationConfig, ResolvedEviction
+from .config import GenerationConfig
 from .models import model_context_length
 from .prompts import encode_prompt, encode_text, has_chat_template, split_question_prompts
 
@@ -109,43 +108,3 @@ def needs_pieces(model: Any, tokenizer: Any, context: str, questions: Sequence[s
         return False
     doc, fits = room_for(model, tokenizer, context, questions, generation)
     return fits is not None and doc > fits
-
-
-def answer_in_pieces(model: Any, tokenizer: Any, context: str, questions: Sequence[str],
-                     eviction: ResolvedEviction, generation: GenerationConfig, batch_size: int,
-                     seed: Optional[int] = None) -> list:
-    """Map, then reduce: each question answered on every piece of ``context`` that fits, with
-    eviction (the pieces decode together), then once more over the pieces' answers. One result
-    per question; its cache numbers are its largest piece's, its times the sum of every step's,
-    and its ``long_document`` lists the pieces."""
-    from .engine import run_jobs
-    from .generate import question_request
-
-    _, fits = room_for(model, tokenizer, context, questions, generation)
-    parts = pieces(tokenizer, context, fits, generation)
-    requests = [question_request(model, tokenizer, i, part, questions, eviction, generation)
-                for i, part in enumerate(parts)]
-    mapped = {r.key: results for r, results in run_jobs(model, tokenizer, requests, batch_size=batch_size, seed=seed)}
-    by_piece = [mapped[i] for i in range(len(parts))]
-    final = []
-    for q, question in enumerate(questions):
-        notes = "\n\n".join(REDUCE_HEADER.format(i=i + 1, n=len(parts)) + results[q].text.strip()
-                            for i, results in enumerate(by_piece))
-        reduce = question_request(model, tokenizer, "reduce", notes, [question], eviction, generation)
-        ((_, (answer,)),) = run_jobs(model, tokenizer, [reduce], batch_size=batch_size, seed=seed)
-        final.append(_with_pieces(answer, [results[q] for results in by_piece], parts, tokenizer))
-    return final
-
-
-def _with_pieces(answer: Any, mapped: list, parts: list[str], tokenizer: Any) -> Any:
-    peak = max(mapped, key=lambda r: r.tokens_seen)
-    info = {"mode": "chunk", "document_tokens": sum(len(encode_text(tokenizer, p)) for p in parts),
-            "pieces": [{"tokens": len(encode_text(tokenizer, p)), "tokens_seen": r.tokens_seen,
-                        "tokens_kept": r.tokens_kept, "compression_ratio": r.compression_ratio, "answer": r.text}
-                       for p, r in zip(parts, mapped)]}
-    return replace(answer, tokens_seen=peak.tokens_seen, tokens_kept=peak.tokens_kept,
-                   tokens_pinned=peak.tokens_pinned, compression_ratio=peak.compression_ratio,
-                   token_ratio=peak.token_ratio, kept_bytes=peak.kept_bytes, full_bytes=peak.full_bytes,
-                   kv_ceiling_bytes=peak.kv_ceiling_bytes, prompt_tokens=peak.prompt_tokens,
-                   prefill_s=answer.prefill_s + sum(r.prefill_s for r in mapped),
-                   decode_s=answer.decode_s + sum(r.decode_s for r in mapped), long_document=info)

@@ -18,8 +18,8 @@ from .admission import KVLimit, KVMemoryExceeded
 from .config import (EvictionConfig, GenerationConfig, ResolvedEviction, RowsConfig, legacy_spelling, make_configs,
                      settings_dict)
 from .engine import Outcome, Request, run_alone, run_jobs
-from .generate import prompt_request, question_request
-from .long_documents import answer_in_pieces, needs_pieces
+from .generate import answer_in_pieces, prompt_request, question_request
+from .long_documents import needs_pieces
 from .mlx_compat import kv_head_dims
 from .support import model_support
 from .quant import check_head_dims
