@@ -65,7 +65,7 @@ class BatchEvictionKVCache(_BaseCache):
 
     per_row_mask = True  # rows differ in what they hold: see mlx_compat.own_layer_masks
 
-    def __init__(self, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
+    def __init__(self, budget: int = 512, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
                  keep: str = "low", coverage: float = 0.0, batch_size: int = 0,
                  spans: Optional[Sequence[Spans]] = None, kv_bits: Optional[int] = None,
                  kv_group_size: int = EvictionConfig.kv_group_size, *, question_score: str = "mean",
@@ -630,7 +630,7 @@ class EvictionKVCache(BatchEvictionKVCache):
 
     per_row_mask = False
 
-    def __init__(self, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
+    def __init__(self, budget: int = 512, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
                  keep: str = "low", coverage: float = 0.0, spans: Spans = ALL_EVICTABLE,
                  kv_bits: Optional[int] = None, kv_group_size: int = EvictionConfig.kv_group_size, *,
                  question_score: str = "mean", carry: float = 0.0, spread: float = 0.0, salt: int = 0):
@@ -871,8 +871,10 @@ def make_eviction_cache(model: nn.Module, config: Union[EvictionConfig, Resolved
     if config.n_layers != len(caches):
         raise ValueError(f"these settings were resolved for a model of {config.n_layers} layers, not {len(caches)}")
     if not config.sized:
-        raise ValueError("ratio sets each layer's budget from the document's length: resolve the layout for it "
-                         "first (config.for_model(model).for_document(n_tokens)), or give a fixed budget")
+        raise ValueError(f"ratio={config.ratio:g} (the default when no budget is given) sets each layer's budget "
+                         "from the document's length, which a cache made alone does not know: give a fixed budget "
+                         "(EvictionConfig(budget=512)), or resolve the layout for the document first "
+                         "(config.for_model(model).for_document(n_document_tokens))")
     bits, group = config.kv_bits, config.kv_group_size
 
     def layer(i, c, plan):

@@ -23,7 +23,7 @@ import os
 import shlex
 import sys
 import traceback
-from dataclasses import MISSING, Field, fields
+from dataclasses import Field, fields
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -653,7 +653,7 @@ def generate_command(ctx: click.Context, prompt: str, model: str, preset: Option
         _describe_run(loaded, model, resolved, "the template and the answer")
     result = _stream_text(ctx, stream_with_eviction(loaded, tokenizer, text, eviction=resolved, generation=generation))
     click.echo(stats_line(result, kv_memory(loaded, resolved), "the template and the answer"), err=True)
-    warning = budget_warning(resolved.budget, result.prompt_tokens, whose="the")
+    warning = budget_warning(resolved.budget, result.prompt_tokens, whose="the", ratio=resolved.ratio)
     if warning:
         click.echo(f"knorm-generate: warning: {warning}", err=True)
 
@@ -787,7 +787,7 @@ def _save_document(ctx: click.Context, text: str, path: str, questions: tuple, l
         click.echo("knorm-generate: no --question: the question rule kept what the document's last paragraph would "
                    "attend to; give --question with the question you will ask (or one like it) to keep what it "
                    "needs", err=True)
-    warning = budget_warning(resolved.budget, report.prompt_tokens, whose="the")
+    warning = budget_warning(resolved.budget, report.prompt_tokens, whose="the", ratio=resolved.ratio)
     if warning:
         click.echo(f"knorm-generate: warning: {warning}", err=True)
 

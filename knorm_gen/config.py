@@ -316,6 +316,21 @@ def _setting(default: Any, help: str, *, parse=None, metavar: Optional[str] = No
 # ---- eviction ------------------------------------------------------------------
 
 
+class _Unset:
+    """The default of ``budget`` and ``ratio`` before :class:`EvictionConfig` settles them:
+    neither given means :data:`DEFAULT_RATIO`; a budget given alone is a fixed budget."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+
+DEFAULT_RATIO = 4.0
+"""The compression when neither ``budget`` nor ``ratio`` is given: a quarter of each
+document kept (chosen by the rule in docs/history.md, measured in docs/results.md)."""
+
+
 @dataclass(frozen=True)
 class EvictionConfig:
     """How every compressed layer evicts, as the user states it. ``budget=None``
@@ -343,11 +358,15 @@ class EvictionConfig:
 
     :meth:`resolved` / :meth:`for_model` give the explicit per-layer form."""
 
-    budget: Optional[int] = _setting(512, "Tokens kept per compressed layer; 'none' = full cache.",
-                                     parse=parse_budget, metavar="INT|none")
+    budget: Optional[int] = _setting(
+        UNSET, "Tokens kept per compressed layer: given alone, a fixed budget; with --ratio, a cap on it; "
+        "'none' = no cap (alone: the full cache, nothing evicted).", parse=parse_budget, metavar="INT|none",
+        default_text="none: the document's tokens over --ratio")
     ratio: Optional[float] = _setting(
-        None, "Keep 1/R of each document's tokens per compressed layer: a budget that follows the document "
-        "(with --budget, that budget caps it). 'none' = a fixed --budget.", parse=parse_ratio, metavar="R|none")
+        UNSET, "Keep 1/R of each document's tokens per compressed layer: a budget that follows the document "
+        "(with --budget, that budget caps it). 'none' = no ratio (a fixed --budget, or the full cache without "
+        "one).", parse=parse_ratio, metavar="R|none",
+        default_text=f"{DEFAULT_RATIO:g} when no --budget is given, else none")
     n_sink: int = _setting(4, "Leading tokens never evicted.")
     recent: Optional[int] = _setting(None, "Most recent tokens never evicted (overrides --recent-share).",
                                      default_text="--recent-share x budget")
@@ -398,6 +417,7 @@ class EvictionConfig:
         parse=parse_layer_keep, metavar="LAYERS:RULE,...")
 
     def __post_init__(self):
+        self._settle_budget()
         self._read_legacy_rules()
         if self.skip_layers is not None:
             if isinstance(self.skip_layers, (str, bytes)) or not hasattr(self.skip_layers, "__iter__"):
@@ -457,6 +477,22 @@ class EvictionConfig:
             if self.skip_layers not in (None, ()) or self.layer_budgets is not None:
                 raise ValueError("early_factor sets the layer layout itself: leave skip_layers and layer_budgets "
                                  "unset, or drop early_factor")
+
+    def _settle_budget(self) -> None:
+        """Neither ``budget`` nor ``ratio`` given: ``ratio=DEFAULT_RATIO`` without a cap;
+        otherwise what is not given is None, so a budget given alone is fixed and
+        ``budget=None`` alone is the full cache. ``early_factor`` and ``layer_budgets`` need
+        ``budget`` stated (they cannot follow a ratio)."""
+        if self.budget is UNSET and self.ratio is UNSET:
+            for name in ("early_factor", "layer_budgets"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} sets layers' budgets from budget: give budget=N (--budget N) with it, "
+                                     "or budget=None for the other layers whole")
+        given = self.budget is not UNSET or self.ratio is not UNSET
+        if self.budget is UNSET:
+            object.__setattr__(self, "budget", None)
+        if self.ratio is UNSET:
+            object.__setattr__(self, "ratio", None if given else DEFAULT_RATIO)
 
     def _read_legacy_rules(self) -> None:
         """A rule name of :data:`LEGACY_RULES` (a saved record's, job file's or tuning's) as
@@ -878,15 +914,15 @@ def make_configs(eviction: Optional[EvictionConfig] = None, generation: Optional
     if unknown:
         raise TypeError(f"unknown setting(s) {', '.join(sorted(unknown))}; allowed: "
                         f"{', '.join(EVICTION_FIELDS + GENERATION_FIELDS + ('preset',))}")
-    eviction = eviction or EvictionConfig()
-    if preset is not None:
-        if preset not in PRESETS:
-            raise ValueError(f"preset must be one of {', '.join(PRESETS)}; got {preset!r}")
-        eviction = replace(eviction, **PRESETS[preset])
-    generation = generation or GenerationConfig()
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"preset must be one of {', '.join(PRESETS)}; got {preset!r}")
+    layout = PRESETS[preset] if preset is not None else {}
     ev = {k: v for k, v in settings.items() if k in EVICTION_FIELDS}
-    if ev:
-        eviction = replace(eviction, **ev)
+    if eviction is None:  # built from what is given: a budget given alone is fixed (EvictionConfig)
+        eviction = EvictionConfig(**{**layout, **ev})
+    elif layout or ev:  # on top of a given config: its ratio stays, and a budget given caps it
+        eviction = replace(eviction, **{**layout, **ev})
+    generation = generation or GenerationConfig()
     gen = {k: v for k, v in settings.items() if k in GENERATION_FIELDS}
     if gen:
         generation = replace(generation, **gen)

@@ -28,9 +28,17 @@ LOW_BUDGET_SHARE = 0.25
 on the embedded model, summaries drift off topic there (docs/results.md)."""
 
 
-def budget_warning(budget: Optional[int], prompt_tokens: Optional[int], whose: str = "this row's") -> Optional[str]:
+def budget_warning(budget: Optional[int], prompt_tokens: Optional[int], whose: str = "this row's",
+                   ratio: Optional[float] = None) -> Optional[str]:
     """The warning for a budget that keeps under :data:`LOW_BUDGET_SHARE` of a
-    prompt's tokens, or None."""
+    prompt's tokens (under ``ratio``: a ratio above 1/LOW_BUDGET_SHARE, or a budget that
+    caps it below that share), or None."""
+    if ratio is not None and 1 / ratio < LOW_BUDGET_SHARE:
+        return (f"--ratio {ratio:g} keeps {100 / ratio:.0f}% of each document; below about "
+                f"{int(100 * LOW_BUDGET_SHARE)}% summaries drift off topic on the embedded model: lower --ratio or "
+                "check a few rows against --ratio none --budget none")
+    if ratio is not None and budget is not None and prompt_tokens and budget * ratio >= prompt_tokens:
+        return None  # the ratio sets this row's budget, not a cap
     if budget is None or not prompt_tokens or budget >= LOW_BUDGET_SHARE * prompt_tokens:
         return None
     return (f"--budget {budget} keeps {int(100 * budget / prompt_tokens)}% of {whose} {prompt_tokens}-token "
@@ -161,7 +169,7 @@ class Sink:
 
     def _check_budget(self, record: dict, line: int) -> None:
         config = record.get("config") or {}
-        message = budget_warning(config.get("budget"), record.get("prompt_tokens"))
+        message = budget_warning(config.get("budget"), record.get("prompt_tokens"), ratio=config.get("ratio"))
         if message:
             self.budget_warned = True
             where = f", line {line}" if self.lines else ""

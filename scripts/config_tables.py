@@ -40,6 +40,8 @@ def default(f: Field) -> str:
     """The Python default, and beside it what ``--help`` says of it where the field has words for it."""
     value = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
     words = f.metadata.get("default_text")
+    if value is config.UNSET:  # settled with other fields (budget, ratio): the words say how
+        return words
     return f"`{value!r}`" + (f" ({words})" if words else "")
 
 

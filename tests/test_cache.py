@@ -502,6 +502,9 @@ def test_early_factor_bounds_every_layer():
         with pytest.raises(ValueError, match="early_factor"):
             EvictionConfig(budget=8, **bad)
     assert EvictionConfig(budget=None, early_factor=8).resolved(10).layer_budgets is None
+    for alone in (dict(early_factor=8), dict(layer_budgets={0: 64})):  # no budget stated: nothing to multiply
+        with pytest.raises(ValueError, match="give budget=N"):
+            EvictionConfig(**alone)
 
 
 def test_keep_random_size_protection_and_seed():

@@ -79,7 +79,8 @@ def test_ratio_refuses_what_it_cannot_mean():
         EvictionConfig(ratio=0.5)
     with pytest.raises(ValueError, match="ratio sets each layer's budget from the document"):
         EvictionConfig(ratio=4, layer_budgets={1: 64})
-    assert "ratio" not in EvictionConfig().to_dict()  # records without it keep their fingerprints
+    assert "ratio" not in EvictionConfig(budget=512).to_dict()  # records without it keep their fingerprints
+    assert EvictionConfig().to_dict()["ratio"] == 4.0 and EvictionConfig().budget is None  # neither given: 1/4
 
 
 # ---------------------------------------------------------------- longer than the context

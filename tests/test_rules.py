@@ -306,7 +306,7 @@ def test_presets_are_layouts_the_fields_override():
     assert paper.resolved(30).skip_layers == (0, 1)
     retrieval, _ = make_configs(preset="retrieval")
     assert retrieval.resolved(30).skip_layers == tuple(range(9))  # the first 30% of 30 layers
-    mixed, _ = make_configs(EvictionConfig(early_factor=4), preset="summarize", keep="blend")
+    mixed, _ = make_configs(EvictionConfig(budget=512, early_factor=4), preset="summarize", keep="blend")
     assert (mixed.keep, mixed.skip_layers, mixed.early_factor) == ("blend", (), None)
     assert mixed.resolved(30).layers == tuple((512, 64) for _ in range(30))  # every layer bounded
     assert paper.coverage == retrieval.coverage == mixed.coverage == 0.0  # a preset is its rule alone
