@@ -13,7 +13,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .config import DEFAULT_QUESTION_SEPARATOR
 from .models import model_context_length
-from .spans import ALL_EVICTABLE, NO_END, Spans
+from .spans import ALL_EVICTABLE, Spans
 
 Prompt = Union[str, Sequence[int], mx.array, Sequence[dict]]
 

@@ -6,15 +6,12 @@ CLI in a subprocess with a timeout and a 4 GiB address-space cap.
 """
 
 import fcntl
-import json
 import os
 import resource
-import shutil
 import signal
 import struct
 import subprocess
 import sys
-import textwrap
 import warnings
 from pathlib import Path
 

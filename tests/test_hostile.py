@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from knorm_gen import records as rec
 from knorm_gen import rows
 from knorm_gen.cli import batch_command
 

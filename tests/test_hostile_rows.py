@@ -3,7 +3,6 @@ and a peer rank that dies during the merge."""
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys

@@ -10,7 +10,6 @@ import pytest
 
 from knorm_gen import EvictionConfig, GenerationConfig, answer_questions, generate_with_eviction
 from knorm_gen.cache import BatchEvictionKVCache, EvictionKVCache, make_eviction_cache
-from knorm_gen.engine import prefill
 from knorm_gen.prompts import context_spans, encode_with_spans, split_question_prompts
 from knorm_gen.results import GenerationResult
 from knorm_gen.spans import ALL_EVICTABLE, NO_END

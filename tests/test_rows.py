@@ -1,14 +1,11 @@
 """JSONL row parsing: kinds, ids, overrides, bad bytes and lines (no model needed)."""
 
 import io
-import json
-import os
 
 import pytest
 
 from knorm_gen import records as rec
 from knorm_gen import rows
-from knorm_gen.files import rewrite_atomically
 
 
 def rows_of(data: bytes, **kw):

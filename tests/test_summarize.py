@@ -10,7 +10,6 @@ from click.testing import CliRunner
 
 from knorm_gen import answer_questions, generate_with_eviction
 from knorm_gen.cli import batch_command
-from knorm_gen.job import BatchOptions, run_batch
 from knorm_gen.models import load_model
 
 QUESTION = "Summarize the text above in one sentence."
