@@ -22,6 +22,7 @@ TYPES = {
     "null": lambda v: v is None,
     "object": lambda v: isinstance(v, dict),
     "array": lambda v: isinstance(v, list),
+    "absent": lambda v: False,  # the field's top-level key may be missing (a section the run skipped)
 }
 
 
@@ -60,6 +61,8 @@ def check_file(data: dict, fields: list) -> None:
     tops = {path.split(".")[0].split("[")[0].split("{")[0] for path, _ in fields}
     assert set(data) <= tops, f"undocumented top-level keys: {sorted(set(data) - tops)}"
     for path, types in fields:
+        if "absent" in types and path.split(".")[0].split("[")[0].split("{")[0] not in data:
+            continue
         for value in values_at(data, path):
             assert any(TYPES[t](value) for t in types), f"{path}: {value!r} is not {' | '.join(types)}"
 
@@ -72,6 +75,9 @@ def test_schema_validator_catches_drift():
                 {"rows": [{"ppl": 1.0}], "grid": {"512": [1]}, "name": "x", "new": 1}):  # undocumented
         with pytest.raises(AssertionError):
             check_file(bad, fields)
+    check_file({"name": "x"}, [("job.rows[].n", ["number", "absent"]), ("name", ["string"])])  # a skipped section
+    with pytest.raises(AssertionError):
+        check_file({"name": "x", "job": {}}, [("job.rows[].n", ["number", "absent"]), ("name", ["string"])])
 
 
 def schema_for(name: str, schema: dict) -> list:
