@@ -826,7 +826,8 @@ def _ask_saved_document(ctx: click.Context, question: str, path: str, run: Batch
         click.echo(f"knorm-generate: {saved_document_line(saved)}", err=True)
     fields_ = {k: v for k, v in opts.items() if k in GENERATION_FIELDS and (k in given or k not in DOCUMENT_SETTINGS)}
     result = _stream_text(ctx, stream_answer_from(model, tokenizer, saved, question, consume=True, **fields_))
-    click.echo(stats_line(result, kv_memory(model, resolved), "the template, question and answer"), err=True)
+    click.echo(stats_line(result, kv_memory(model, resolved), "the template, question and answer",
+                          saved_tokens=len(saved.ids)), err=True)
 
 
 def _given(ctx: click.Context, opts: dict) -> set:
@@ -913,13 +914,16 @@ def prompt_memory_line(memory: Any, pinned: str) -> str:
     return line
 
 
-def stats_line(result: Any, memory: Any = None, pinned: str = "the template, question and answer") -> str:
+def stats_line(result: Any, memory: Any = None, pinned: str = "the template, question and answer",
+               saved_tokens: int = 0) -> str:
     """``knorm-generate``'s one line of numbers after the text. With ``memory`` (the run's
     :class:`~knorm_gen.memory.KVMemory`) and a ceiling, the KV kept is split into what the
-    budget holds and the pinned tokens (``pinned``: what they are) held on top of it."""
+    budget holds and the pinned tokens (``pinned``: what they are) held on top of it. With
+    ``saved_tokens`` (a saved document's), the prompt rate is of the tokens read after it."""
     from .memory import mib
 
-    line = (f"knorm-generate: prompt {result.prompt_tokens} tokens, kept {result.tokens_kept} of "
+    read = (f" ({result.prompt_tokens - saved_tokens} read now after {saved_tokens} saved)" if saved_tokens else "")
+    line = (f"knorm-generate: prompt {result.prompt_tokens} tokens{read}, kept {result.tokens_kept} of "
             f"{result.tokens_seen} seen ({result.compression_ratio:.2f}x compression); "
             f"prompt {result.prompt_tps:.1f} tokens/s, generation {result.generation_tps:.1f} tokens/s "
             f"({result.generated_tokens} tokens, {result.finish_reason}); peak memory {result.peak_memory_gb:.3f} GB; "

@@ -448,6 +448,21 @@ class EvictionConfig:
                                        self.keep, self.coverage)
             except ValueError as e:
                 raise ValueError(f"with ratio a short document's budget is {MIN_RATIO_BUDGET} tokens: {e}") from None
+        self._check_layer_maps()
+        if self.ratio is not None:
+            object.__setattr__(self, "ratio", parse_ratio(self.ratio))
+            if self.early_factor is not None or self.layer_budgets is not None:
+                raise ValueError("ratio sets each layer's budget from the document: leave early_factor and "
+                                 "layer_budgets unset, or give a fixed --budget instead of --ratio")
+        if self.early_factor is not None:
+            if not _is_int(self.early_factor) or self.early_factor < 1:
+                raise ValueError(f"early_factor must be an integer >= 1, got {self.early_factor!r}")
+            if self.skip_layers not in (None, ()) or self.layer_budgets is not None:
+                raise ValueError("early_factor sets the layer layout itself: leave skip_layers and layer_budgets "
+                                 "unset, or drop early_factor")
+
+    def _check_layer_maps(self) -> None:
+        """``layer_budgets`` and ``layer_keep``: layer index to a budget or a rule, each checked."""
         if self.layer_budgets is not None:
             if not isinstance(self.layer_budgets, Mapping):
                 raise ValueError(f"layer_budgets must map layer index to budget, got {self.layer_budgets!r}")
@@ -466,17 +481,6 @@ class EvictionConfig:
             for layer, rule in rules.items():
                 check_rule(rule, f"layer_keep[{layer}]")
             object.__setattr__(self, "layer_keep", rules or None)
-        if self.ratio is not None:
-            object.__setattr__(self, "ratio", parse_ratio(self.ratio))
-            if self.early_factor is not None or self.layer_budgets is not None:
-                raise ValueError("ratio sets each layer's budget from the document: leave early_factor and "
-                                 "layer_budgets unset, or give a fixed --budget instead of --ratio")
-        if self.early_factor is not None:
-            if not _is_int(self.early_factor) or self.early_factor < 1:
-                raise ValueError(f"early_factor must be an integer >= 1, got {self.early_factor!r}")
-            if self.skip_layers not in (None, ()) or self.layer_budgets is not None:
-                raise ValueError("early_factor sets the layer layout itself: leave skip_layers and layer_budgets "
-                                 "unset, or drop early_factor")
 
     def _settle_budget(self) -> None:
         """Neither ``budget`` nor ``ratio`` given: ``ratio=DEFAULT_RATIO`` without a cap;
