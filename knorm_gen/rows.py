@@ -21,8 +21,8 @@ MAX_LINE_BYTES = 64 * 1024 * 1024
 """Longer input lines are skipped unread and reported as ``line_too_long``."""
 
 BOM = b"\xef\xbb\xbf"
-OVERRIDE_FIELDS = ("max_tokens", "temperature", "budget", "top_k", "min_p", "repetition_penalty", "pin_prefix_chars",
-                   "kv_bits", "kv_group_size")
+OVERRIDE_FIELDS = ("max_tokens", "temperature", "budget", "ratio", "top_k", "min_p", "repetition_penalty",
+                   "pin_prefix_chars", "kv_bits", "kv_group_size")
 ROW_FIELDS = ("id", "prompt", "messages", "context", "question", "questions", *OVERRIDE_FIELDS)
 
 RowId = Union[str, int]
@@ -327,7 +327,11 @@ def _override_error(name: str, value: Any) -> Optional[str]:
     if name == "temperature" and not _fits_float(value):
         return "field 'temperature' must be a number >= 0, got an integer too large for a float"
     if name == "budget" and value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        return f"field 'budget' must be an integer >= 1 or null (full cache), got {_show(value)}"
+        return (f"field 'budget' must be an integer >= 1 or null (no cap under a ratio; with \"ratio\": null, the "
+                f"full cache), got {_show(value)}")
+    if name == "ratio" and value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                                  or not _fits_float(value) or not value >= 1):
+        return f"field 'ratio' must be a number >= 1 or null (a fixed budget), got {_show(value)}"
     if name == "kv_bits" and (value is not None and (isinstance(value, bool) or value not in (4, 8))):
         return f"field 'kv_bits' must be 4, 8 or null (full precision), got {_show(value)}"
     if name == "kv_group_size" and (isinstance(value, bool) or value not in (32, 64, 128)):

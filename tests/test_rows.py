@@ -25,6 +25,19 @@ def test_row_kinds_default_id_overrides_and_meta():
     assert (d.questions, d.overrides, d.meta) == (["A?", "B?"], {"max_tokens": 3}, {"meta": {"k": 1}})
 
 
+def test_a_rows_budget_and_ratio_apply_on_top_of_the_runs():
+    from knorm_gen.config import EvictionConfig, make_configs
+
+    (row,) = rows_of(b'{"prompt": "p", "ratio": 8, "budget": 300}\n')
+    assert row.overrides == {"ratio": 8, "budget": 300}
+    run = EvictionConfig()  # the default: ratio 4, no cap
+    capped, _ = make_configs(run, **row.overrides)
+    assert (capped.ratio, capped.budget) == (8, 300)
+    assert (make_configs(run, budget=300)[0].ratio, make_configs(run, budget=300)[0].budget) == (4, 300)  # a cap
+    full, _ = make_configs(run, ratio=None, budget=None)
+    assert (full.ratio, full.budget) == (None, None)  # the full cache
+
+
 @pytest.mark.parametrize("line, field", [
     ('{"prompt": 5}', "'prompt' must be text, got an integer 5"),
     ('{"prompt": "   "}', "'prompt' is empty"),
@@ -41,6 +54,8 @@ def test_row_kinds_default_id_overrides_and_meta():
     ('{"prompt": "p", "max_tokens": 0}', "'max_tokens' must be an integer >= 1"),
     ('{"prompt": "p", "temperature": "hot"}', "'temperature' must be a number >= 0"),
     ('{"prompt": "p", "budget": "big"}', "'budget' must be an integer >= 1 or null"),
+    ('{"prompt": "p", "ratio": 0.5}', "'ratio' must be a number >= 1 or null"),
+    ('{"prompt": "p", "ratio": "4"}', "'ratio' must be a number >= 1 or null"),
     ('[1, 2]', "expected a JSON object, got an array"),
 ])
 def test_wrong_types_name_line_and_field(line, field):
