@@ -50,7 +50,11 @@ def test_one_saved_document_answers_two_questions_as_answer_questions_does(tmp_p
             result = generate("--prompt-cache-file", path, "-p", "-", "-m", "8", *flags, input=question)
             assert result.exit_code == 0, result.stderr
             assert result.stdout == want.text + "\n"
-            assert f"prompt {want.prompt_tokens} tokens, kept {want.tokens_kept}" in result.stderr
+            line = re.search(r"prompt (\d+) tokens \((\d+) read now after (\d+) saved\), kept (\d+)", result.stderr)
+            assert line, result.stderr
+            prompt, read, saved_tokens, kept = map(int, line.groups())
+            assert (prompt, kept) == (want.prompt_tokens, want.tokens_kept) and read + saved_tokens == prompt
+            assert 0 < read < len(tok.encode(question)) + 16  # the question and the template's turn, no document
             got = answer_from(model, tok, path, question, max_tokens=8, **sampling)
             assert got.tokens == want.tokens and got.question == question
             assert (got.kept_bytes, got.tokens_pinned, got.config) == (want.kept_bytes, want.tokens_pinned,
