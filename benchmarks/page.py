@@ -1,16 +1,22 @@
-"""The tables of docs/results.md and the plot in README, from the results files the
+"""The tables of docs/results.md and README, and the plot docs/results.png, from the results files the
 benchmarks wrote (nothing is measured here).
 
-    python benchmarks/page.py                 # prints every table; writes docs/results.png
+    python benchmarks/page.py                 # rewrites the tables of docs/results.md and README, and docs/results.png
+    python benchmarks/page.py --check         # exit 1 when a table is stale
 
 Reads ``benchmarks/results/grid-*.json`` (benchmarks/grid.py), ``coverage-*.json``
-(benchmarks/coverage.py) and ``cost.json`` (benchmarks/cost.py).
+(benchmarks/coverage.py), ``cost.json`` (benchmarks/cost.py) and
+``chunk-vs-truncate-smollm2.json`` (benchmarks/chunk_vs_truncate.py). Each table lies between
+``<!-- page:NAME -->`` and ``<!-- /page -->`` in docs/results.md, each with the command lines
+that wrote its files (from the files themselves); the text around them is the page's own.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -18,9 +24,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from knorm_gen.evaluate import recovered_by_doc, summarize  # noqa: E402
+from knorm_gen.evaluate import summarize  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "results.md"
+README = PAGE.parent.parent / "README.md"  # its results tables are the page's, by the same region names
+REGION = re.compile(r"(<!-- page:([\w-]+) -->\n)(.*?)(<!-- /page -->)", re.S)
 MODELS = {"smollm2": "SmolLM2-135M-Instruct (the embedded model)", "gemma3": "Gemma 3 270M (base)"}
 NAMES = {"full": "full cache", "default": "**default**", "random": "random eviction", "paper": "`--preset paper` (L2Norm)",
          "low": "keep-low, every layer", "no_carry": "default, `carry=0`", "spread25": "default, `spread=0.25`",
@@ -37,7 +46,6 @@ def rows_at(result: dict, ratio: float) -> list[dict]:
 
 def kv_mib(rows: list[dict], arm: str) -> str:
     kept = [r["kept_bytes"] for r in rows if r["task"] == "fidelity" and r["arm"] == arm and "kept_bytes" in r]
-    full = [r["full_bytes"] for r in rows if r["task"] == "fidelity" and r["arm"] == arm and "full_bytes" in r]
     if arm == "full":
         kept = [r["full_bytes"] for r in rows if r["task"] == "fidelity" and "full_bytes" in r]
     return f"{np.mean(kept) / 2**20:.1f}" if kept else "-"
@@ -50,22 +58,39 @@ def interval(t: dict) -> str:
     return f"{100 * t['vs_random']:+.1f} ({100 * ci[0]:+.1f}, {100 * ci[1]:+.1f})" if ci else f"{100 * t['vs_random']:+.1f}"
 
 
+def command(*names: str) -> str:
+    """The command lines that wrote the results files ``names``, as a fenced block."""
+    lines = []
+    for name in names:
+        meta = load(name)["meta"]
+        script = {"grid": "grid.py", "coverage": "coverage.py"}.get(name.split("-")[0], "")
+        argv = meta.get("argv")
+        if argv is None:  # coverage.py's meta is its parsed arguments
+            argv = [a for k, v in meta.items() if v is not None for a in (f"--{k.replace('_', '-')}", f"{v:g}"
+                                                                          if isinstance(v, float) else str(v))]
+        lines.append(meta["command"] if "command" in meta else
+                     "python benchmarks/" + script + " " + shlex.join(argv))
+    return "```bash\n" + "\n".join(lines) + "\n```"
+
+
 def compression_table(model: str) -> str:
     """Per compression: summary kept, its difference to random, facts found, perplexity and KV per row."""
-    parts = [load(f"grid-{model}-2k-ratios.json"), load(f"grid-{model}-2k-candidates.json")]
+    names = [f"grid-{model}-2k-candidates.json", f"grid-{model}-2k-ratios.json"]
+    names = [n for n in names if (RESULTS / n).exists()]
+    parts = [load(n) for n in names]
     lines = ["| compression | layout | summary kept | vs random, points (95% interval) | facts found | perplexity | "
              "KV per row, MiB |", "|---|---|---|---|---|---|---|"]
-    for ratio in (2.0, 4.0, 8.0, 16.0):
-        result = next(p for p in parts if ratio in p["meta"]["ratios"])
-        rows = rows_at(result, ratio)
-        table = summarize(rows, ["full", "default", "random", "paper"])
-        for arm in ("default", "random", "paper"):
+    for ratio in sorted({float(r) for p in parts for r in p["meta"]["ratios"]}):
+        rows = [r for p in parts for r in rows_at(p, ratio)]
+        arms = [a for a in ("default", "random", "paper") if any(r["arm"] == a for r in rows)]
+        table = summarize(rows, ["full", *arms])
+        for arm in arms:
             t = table[arm]
             lines.append(f"| {ratio:g}x | {NAMES[arm]} | {_pct(t['recovered'])} | {interval(t) if arm != 'random' else '-'}"
                          f" | {t['keys_of_full']}/{t['full_keys']} | {t['ppl_ratio']:.3f}x | {kv_mib(rows, arm)} |")
-    full = rows_at(parts[1], 4.0)
+    full = rows_at(parts[0], 4.0)
     lines.append(f"| 1x | full cache | 100% | - | (all) | 1.000x | {kv_mib(full, 'full')} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + command(*names)
 
 
 def candidates_table(model: str) -> str:
@@ -79,23 +104,32 @@ def candidates_table(model: str) -> str:
         lines.append(f"| {NAMES.get(arm, arm)} | {_pct(t['recovered'])} | {interval(t)} | "
                      f"{_pct(t['recovered_human'])} ({t['human_docs']} docs) | {t['keys_of_full']}/{t['full_keys']} | "
                      f"{t['ppl_ratio']:.3f}x |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + command(f"grid-{model}-2k-candidates.json")
 
 
-def length_table(model: str, lengths: list[tuple[str, str]]) -> str:
+LENGTHS = {"smollm2": [("1,024", "grid-smollm2-1k.json"), ("2,048", "grid-smollm2-2k-candidates.json"),
+                       ("4,096", "grid-smollm2-4k.json"), ("7,600", "grid-smollm2-7600.json")],
+           "gemma3": [("1,024", "grid-gemma3-1k.json"), ("2,048", "grid-gemma3-2k-candidates.json"),
+                      ("4,096", "grid-gemma3-4k.json"), ("8,192", "grid-gemma3-8k.json")]}
+
+
+def length_table(model: str) -> str:
+    """The default at 4x on documents of each length: summary kept, against random, facts found."""
     lines = ["| document tokens | documents | default kept | random kept | default vs random, points (95% interval) | "
              "facts found |", "|---|---|---|---|---|---|"]
-    for label, name in lengths:
+    names = []
+    for label, name in LENGTHS[model]:
         path = RESULTS / name
         if not path.exists():
             lines.append(f"| {label} | not measured | | | | |")
             continue
+        names.append(name)
         result = json.loads(path.read_text())
         table = summarize(rows_at(result, 4.0), ["full", "default", "random"])
         t, r = table["default"], table["random"]
         lines.append(f"| {label} | {t['fidelity_docs']} | {_pct(t['recovered'])} | {_pct(r['recovered'])} | "
                      f"{interval(t)} | {t['keys_of_full']}/{t['full_keys']} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + ("\n\n" + command(*names) if names else "")
 
 
 def coverage_table(model: str) -> str:
@@ -107,10 +141,76 @@ def coverage_table(model: str) -> str:
              "|---|---|---|---|---|---|"]
     for arm in dict.fromkeys(r["arm"] for r in rows):
         mine = [r for r in rows if r["arm"] == arm]
-        cells = [np.mean([r[k] for r in mine if r[k] is not None]) for k in
+        cells = [[r[k] for r in mine if r[k] is not None and r[k] == r[k]] for k in
                  ("kept_per_head", "head_union", "head_overlap", "layer_overlap", "model_union")]
-        lines.append(f"| {NAMES.get(arm, arm)} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
-    return "\n".join(lines)
+        # one KV head per layer (Gemma 3 270M) has no overlap between heads
+        lines.append(f"| {NAMES.get(arm, arm)} | " + " | ".join(f"{np.mean(c):.2f}" if c else "-" for c in cells) + " |")
+    return "\n".join(lines) + "\n\n" + command(f"coverage-{model}.json")
+
+
+def chunk_table() -> str:
+    """--long-documents chunk against truncate on documents beyond the context."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from chunk_vs_truncate import report
+
+    name = "chunk-vs-truncate-smollm2.json"
+    if not (RESULTS / name).exists():
+        return "(not measured)"
+    return report(load(name)) + "\n\n" + command(name)
+
+
+def cost_tables() -> str:
+    """What the default costs: prefill and decode per arm, prefill together or alone, the whole
+    job against mlx_lm, and the aims (benchmarks/cost.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cost import aims, aims_table, job_table, prefill_table, together_table
+
+    result = load("cost.json")
+    where = result["machine"]
+    parts = [f"Measured {result['date'][:10]} on {where.get('cpu_model') or 'this machine'} ({where.get('cores')} "
+             f"cores, mlx {where['runtime'].get('mlx')} with {where['runtime'].get('blas')}, float32 weights "
+             f"{result['weights_gb']:.2f} GB).",
+             "**Prefill and decode, one row** (each eviction arm keeps a quarter of the document):",
+             prefill_table(result["prefill"])]
+    if result.get("together"):
+        parts += ["**Probed rows prefilled together or alone** (8 rows, through the batch engine):",
+                  together_table(result["together"])]
+    if result.get("job"):
+        parts += ["**The whole job** (`knorm-batch`'s runner against mlx_lm's `batch_generate`):",
+                  job_table(result["job"])]
+    else:
+        parts.append("**The whole job** (`knorm-batch`'s runner against mlx_lm's `batch_generate`): not in this "
+                     "file; the run that wrote it stopped before that section finished.")
+    measured = result.get("aims") or aims(result, {})
+    if measured:
+        parts += ["**The aims**, as ratios of the numbers above:", aims_table(measured)]
+    parts.append("```bash\npython benchmarks/cost.py" + (" --quick" if result.get("quick") else "") + "\n```")
+    return "\n\n".join(parts)
+
+
+def tables() -> dict:
+    """Every table of docs/results.md, by region name."""
+    out = {}
+    for model in MODELS:
+        out[f"compressions-{model}"] = lambda m=model: compression_table(m)
+        out[f"candidates-{model}"] = lambda m=model: candidates_table(m)
+        out[f"lengths-{model}"] = lambda m=model: length_table(m)
+        out[f"coverage-{model}"] = lambda m=model: coverage_table(m)
+    out["chunk"] = chunk_table
+    out["cost"] = cost_tables
+    return out
+
+
+def render(page: str) -> str:
+    """``page`` with every ``<!-- page:NAME -->`` region rewritten from the results files."""
+    made = tables()
+
+    def one(m: re.Match) -> str:
+        if m.group(2) not in made:
+            raise SystemExit(f"<!-- page:{m.group(2)} --> names no table of benchmarks/page.py")
+        return m.group(1) + made[m.group(2)]() + "\n" + m.group(4)
+
+    return REGION.sub(one, page)
 
 
 def plot(out: Path) -> None:
@@ -121,21 +221,25 @@ def plot(out: Path) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
     for col, model in enumerate(MODELS):
-        parts = [load(f"grid-{model}-2k-ratios.json"), load(f"grid-{model}-2k-candidates.json")]
+        parts = [load(n) for n in (f"grid-{model}-2k-ratios.json", f"grid-{model}-2k-candidates.json")
+                 if (RESULTS / n).exists()]
+        ratios = sorted({float(r) for p in parts for r in p["meta"]["ratios"]})
         for arm, style in (("default", "o-"), ("random", "s--"), ("paper", "^:")):
             xs, fid, keys = [], [], []
-            for ratio in (2.0, 4.0, 8.0, 16.0):
-                result = next(p for p in parts if ratio in p["meta"]["ratios"])
-                t = summarize(rows_at(result, ratio), ["full", arm])[arm]
+            for ratio in ratios:
+                rows = [r for p in parts for r in rows_at(p, ratio)]
+                if not any(r["arm"] == arm for r in rows):
+                    continue
+                t = summarize(rows, ["full", arm])[arm]
                 xs.append(ratio)
                 fid.append(100 * (t["recovered"] or 0))
                 keys.append(100 * t["keys_of_full"] / max(t["full_keys"], 1))
-            axes[0, col].plot(xs, fid, style, label=NAMES[arm].strip("*`"))
-            axes[1, col].plot(xs, keys, style, label=NAMES[arm].strip("*`"))
+            axes[0, col].plot(xs, fid, style, label=NAMES[arm].replace("`", "").replace("*", ""))
+            axes[1, col].plot(xs, keys, style, label=NAMES[arm].replace("`", "").replace("*", ""))
         for row in (0, 1):
             axes[row, col].axhline(100, color="grey", lw=0.8, label="full cache")
             axes[row, col].set_xscale("log", base=2)
-            axes[row, col].set_xticks([2, 4, 8, 16], ["2x", "4x", "8x", "16x"])
+            axes[row, col].set_xticks(ratios, [f"{r:g}x" for r in ratios])
         axes[0, col].set_title(MODELS[model])
         axes[0, col].set_ylabel("summary kept, % of the full cache's gain")
         axes[1, col].set_ylabel("pass keys found, % of the full cache's")
@@ -153,27 +257,17 @@ def _pct(x) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plot", default=str(Path(__file__).resolve().parent.parent / "docs" / "results.png"))
+    ap.add_argument("--check", action="store_true", help="exit 1 when a table of docs/results.md or README is stale")
     args = ap.parse_args(argv)
-    for model in MODELS:
-        for title, make in (("compressions", compression_table), ("candidates", candidates_table),
-                            ("coverage", coverage_table)):
-            print(f"\n### {model}: {title}\n")
-            try:
-                print(make(model))
-            except (FileNotFoundError, StopIteration) as e:
-                print(f"(missing: {e})")
-    lengths = {"smollm2": [("1,024", "grid-smollm2-1k.json"), ("2,048", "grid-smollm2-2k-candidates.json"),
-                           ("4,096", "grid-smollm2-4k.json"), ("7,600", "grid-smollm2-7600.json")],
-               "gemma3": [("1,024", "grid-gemma3-1k.json"), ("2,048", "grid-gemma3-2k-candidates.json"),
-                          ("4,096", "grid-gemma3-4k.json"), ("8,192", "grid-gemma3-8k.json")]}
-    for model, names in lengths.items():
-        print(f"\n### {model}: lengths at 4x\n")
-        print(length_table(model, names))
-    try:
-        plot(Path(args.plot))
-        print(f"\nwrote {args.plot}")
-    except (FileNotFoundError, StopIteration) as e:
-        print(f"\nno plot yet (missing: {e})")
+    pages = {path: path.read_text() for path in (PAGE, README)}
+    new = {path: render(text) for path, text in pages.items()}
+    stale = [str(path) for path in pages if new[path] != pages[path]]
+    if args.check:
+        sys.exit(f"{', '.join(stale)} stale: run python benchmarks/page.py" if stale else 0)
+    for path, text in new.items():
+        path.write_text(text)
+    plot(Path(args.plot))
+    print(f"wrote {PAGE}, {README} and {args.plot}")
 
 
 if __name__ == "__main__":
