@@ -24,7 +24,7 @@ from .runtime import runtime_info  # noqa: E402
 from .support import ModelSupport, UnsupportedModelError, model_support  # noqa: E402
 from .tune import NoTuningError, tuned_config  # noqa: E402
 
-__version__ = "0.12.0"
+__version__ = "0.13.0"
 
 __all__ = [
     "KEEP_MODES",

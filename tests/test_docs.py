@@ -317,3 +317,14 @@ def test_the_row_overrides_are_the_ones_rows_take():
     listed = re.findall(r"`(\w+)`", line)
     assert listed == list(OVERRIDE_FIELDS), f"docs/batch.md lists the row overrides {listed}, rows take " \
                                             f"{list(OVERRIDE_FIELDS)}"
+
+
+def test_the_results_page_is_what_the_results_files_say():
+    """docs/results.md's tables, rewritten from benchmarks/results/ by benchmarks/page.py, equal the page."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "page.py"), "--check"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    page = (ROOT / "docs" / "results.md").read_text()
+    assert "⟨" not in page and "<!-- /page -->" in page  # every placeholder filled, the tables in place
