@@ -73,10 +73,15 @@ def command(*names: str) -> str:
     return "```bash\n" + "\n".join(lines) + "\n```"
 
 
+def ratio_files(model: str) -> list[str]:
+    """The 2k grids of ``model``: the candidates at 4x first, then every file of other ratios."""
+    names = [f"grid-{model}-2k-candidates.json"] + sorted(p.name for p in RESULTS.glob(f"grid-{model}-2k-ratios*.json"))
+    return [n for n in names if (RESULTS / n).exists()]
+
+
 def compression_table(model: str) -> str:
     """Per compression: summary kept, its difference to random, facts found, perplexity and KV per row."""
-    names = [f"grid-{model}-2k-candidates.json", f"grid-{model}-2k-ratios.json"]
-    names = [n for n in names if (RESULTS / n).exists()]
+    names = ratio_files(model)
     parts = [load(n) for n in names]
     lines = ["| compression | layout | summary kept | vs random, points (95% interval) | facts found | perplexity | "
              "KV per row, MiB |", "|---|---|---|---|---|---|---|"]
@@ -221,8 +226,7 @@ def plot(out: Path) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
     for col, model in enumerate(MODELS):
-        parts = [load(n) for n in (f"grid-{model}-2k-ratios.json", f"grid-{model}-2k-candidates.json")
-                 if (RESULTS / n).exists()]
+        parts = [load(n) for n in ratio_files(model)]
         ratios = sorted({float(r) for p in parts for r in p["meta"]["ratios"]})
         for arm, style in (("default", "o-"), ("random", "s--"), ("paper", "^:")):
             xs, fid, keys = [], [], []
