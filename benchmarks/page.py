@@ -224,7 +224,7 @@ def plot(out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for col, model in enumerate(MODELS):
         parts = [load(n) for n in ratio_files(model)]
         ratios = sorted({float(r) for p in parts for r in p["meta"]["ratios"]})
