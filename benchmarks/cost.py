@@ -2,6 +2,8 @@
 
     python benchmarks/cost.py                   # the whole measurement (80-90 minutes on 2 idle CPU cores)
     python benchmarks/cost.py --skip-job        # without the whole job (about 35 minutes)
+    python benchmarks/cost.py --skip-prefill --skip-together --out benchmarks/results/cost-job.json
+                                                # the whole job alone (about 70 minutes)
     python benchmarks/cost.py --quick           # smoke run (2 minutes; seconds with a tiny model: --model PATH)
 
 It prints its own estimate at the start (a cost model scaled by a prefill timed on this machine).
@@ -499,11 +501,31 @@ def write(path: Path, result: dict) -> None:
     tmp.replace(path)
 
 
+def prefill_report(model, tok, texts: Texts, sizes: dict, arms, docs: int, weights_gb: float, result: dict,
+                   out: Path) -> None:
+    """Section 1 (prefill and decode per arm) into ``result``, written to ``out`` and printed."""
+    log("\n## Prefill and decode per arm\n")
+    result["prefill"] = prefill_section(model, tok, texts, sizes, arms, docs, sizes["decode_tokens"])
+    write(out, result)
+    log("\n" + prefill_table(result["prefill"]))
+    log(f"\ntokens: the row's context (template and document) fed in {STEP}-token blocks; each length's text is "
+        f"cut at {', '.join(f'{k} = {v}' for k, v in sizes['lengths'].items())} tokens (at a line or sentence end; "
+        f"7,600 for 8k, so that it, the template and the question fit an 8,192-token context). Prefill tok/s: "
+        f"context tokens / (probe + prefill) seconds; probe share: the probe's seconds over that (-: the arm runs "
+        f"no probe). Decode tok/s: "
+        f"one row's greedy answer of {sizes['decode_tokens']} tokens after the question, the first token left out. "
+        f"KV MiB/row: knorm_gen.cache_stats(caches).kept_bytes after the answer, every layer; full-cache KV: the "
+        f"same positions uncompressed. Peak GB: mx.get_peak_memory() over the row, the weights "
+        f"({weights_gb:.2f} GB) included. Every eviction arm keeps 1/{RATIO:g} of the document; paper keeps "
+        f"layers 0-1 whole (more bytes).")
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run): seconds")
     ap.add_argument("--skip-job", action="store_true", help="leave out the whole-job section")
     ap.add_argument("--skip-together", action="store_true", help="leave out the prefill together/alone section")
+    ap.add_argument("--skip-prefill", action="store_true", help="leave out the prefill and decode per arm section")
     ap.add_argument("--model", default="default", help="'default' (the embedded model) or an mlx_lm model folder")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"arms of the prefill section (of {', '.join(ARMS)})")
     ap.add_argument("--docs", type=int, default=1, help="rows per length in the prefill section")
@@ -537,7 +559,8 @@ def main(argv=None) -> dict:
     scale = (time.perf_counter() - tic) / prefill_cost(warm.tokens)
     del caches
     job_rows = [] if args.skip_job else texts.job(sizes["job_rows"], sizes["job_min"], sizes["job_max"])
-    planned = {k: scale * v for k, v in estimate(sizes, arms, args.docs, args.skip_together, args.skip_job,
+    planned = {k: scale * v for k, v in estimate(sizes, arms, 0 if args.skip_prefill else args.docs,
+                                                  args.skip_together, args.skip_job,
                                                   n_layers, [t.tokens for t in job_rows]).items()}
     log(f"cost.py: model {args.model}, {n_layers} layers, weights {weights_gb:.2f} GB; every eviction arm keeps "
         f"1/{RATIO:g} of each document (ratio={RATIO:g}); prefill in {STEP}-token blocks")
@@ -555,21 +578,8 @@ def main(argv=None) -> dict:
     }
     out = Path(args.out)
 
-    log("\n## Prefill and decode per arm\n")
-    result["prefill"] = prefill_section(model, tok, texts, sizes, arms, args.docs, sizes["decode_tokens"])
-    write(out, result)
-    log("\n" + prefill_table(result["prefill"]))
-    log(f"\ntokens: the row's context (template and document) fed in {STEP}-token blocks; each length's text is "
-        f"cut at {', '.join(f'{k} = {v}' for k, v in sizes['lengths'].items())} tokens (at a line or sentence end; "
-        f"7,600 for 8k, so that it, the template and the question fit an 8,192-token context). Prefill tok/s: "
-        f"context tokens / (probe + prefill) seconds; probe share: the probe's seconds over that (-: the arm runs "
-        f"no probe). Decode tok/s: "
-        f"one row's greedy answer of {sizes['decode_tokens']} tokens after the question, the first token left out. "
-        f"KV MiB/row: knorm_gen.cache_stats(caches).kept_bytes after the answer, every layer; full-cache KV: the "
-        f"same positions uncompressed. Peak GB: mx.get_peak_memory() over the row, the weights "
-        f"({weights_gb:.2f} GB) included. Every eviction arm keeps 1/{RATIO:g} of the document; paper keeps "
-        f"layers 0-1 whole (more bytes).")
-
+    if not args.skip_prefill:
+        prefill_report(model, tok, texts, sizes, arms, args.docs, weights_gb, result, out)
     if not args.skip_together:
         log("\n## Prefill together or alone\n")
         result["together"] = together_section(model, tok, texts, sizes)

@@ -82,3 +82,17 @@ def test_cost_quick_writes_every_section(tiny_model_dir, tmp_path):
                     "## The aims, measured in this run"):
         assert heading in proc.stdout
     assert "| 8k | default |" in proc.stdout
+
+
+def test_cost_job_alone_writes_only_the_job(tiny_model_dir, tmp_path):
+    """``--skip-prefill --skip-together``: the whole job and its aims, no other section."""
+    out = tmp_path / "cost-job.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cost.py"), "--quick", "--skip-prefill",
+                           "--skip-together", "--model", str(tiny_model_dir), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert "prefill" not in data and "together" not in data
+    assert set(data["job"]["arms"]) == {"ours_default", "mlx_batch_generate", "mlx_rotating"}
+    assert set(data["aims"]) == {"job_rows_per_hour_vs_mlx", "job_peak_memory_vs_mlx"}
+    assert "## Prefill and decode per arm" not in proc.stdout and "## The whole job" in proc.stdout
