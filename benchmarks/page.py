@@ -164,6 +164,9 @@ def chunk_table() -> str:
     return report(load(name)) + "\n\n" + command(name)
 
 
+JOB_FILE = "cost-job.json"  # the whole job measured alone (cost.py --skip-prefill --skip-together)
+
+
 def cost_tables() -> str:
     """What the default costs: prefill and decode per arm, prefill together or alone, the whole
     job against mlx_lm, and the aims (benchmarks/cost.py)."""
@@ -180,16 +183,22 @@ def cost_tables() -> str:
     if result.get("together"):
         parts += ["**Probed rows prefilled together or alone** (8 rows, through the batch engine):",
                   together_table(result["together"])]
-    if result.get("job"):
-        parts += ["**The whole job** (`knorm-batch`'s runner against mlx_lm's `batch_generate`):",
-                  job_table(result["job"])]
+    job, commands = result, ["python benchmarks/cost.py" + (" --quick" if result.get("quick") else "")]
+    if not result.get("job") and (RESULTS / JOB_FILE).exists():
+        job = load(JOB_FILE)
+        commands.append(f"python benchmarks/cost.py --skip-prefill --skip-together --out benchmarks/results/{JOB_FILE}")
+    if job.get("job"):
+        when = "" if job is result else (f", measured {job['date'][:10]} in a run of its own on "
+                                         f"{job['machine'].get('cpu_model') or 'this machine'}")
+        parts += [f"**The whole job** (`knorm-batch`'s runner against mlx_lm's `batch_generate`{when}):",
+                  job_table(job["job"])]
     else:
-        parts.append("**The whole job** (`knorm-batch`'s runner against mlx_lm's `batch_generate`): not in this "
-                     "file; the run that wrote it stopped before that section finished.")
-    measured = result.get("aims") or aims(result, {})
+        parts.append("**The whole job** (`knorm-batch`'s runner against mlx_lm's `batch_generate`): not measured.")
+        commands.append(f"python benchmarks/cost.py --skip-prefill --skip-together --out benchmarks/results/{JOB_FILE}")
+    measured = aims({**result, "job": job.get("job")}, {})
     if measured:
         parts += ["**The aims**, as ratios of the numbers above:", aims_table(measured)]
-    parts.append("```bash\npython benchmarks/cost.py" + (" --quick" if result.get("quick") else "") + "\n```")
+    parts.append("```bash\n" + "\n".join(commands) + "\n```")
     return "\n\n".join(parts)
 
 

@@ -32,7 +32,7 @@ import mlx.nn as nn
 
 from . import quant
 from .carry import CarryGroup, extracted_group, merged_group
-from .config import EvictionConfig, ResolvedEviction, validate_eviction_args
+from .config import CACHE_BUDGET, EvictionConfig, ResolvedEviction, validate_eviction_args
 from .mlx_compat import _BaseCache, create_attention_mask, is_full_attention, make_prompt_cache, register_cache_class
 from .quant import Stored
 from .rules import Rule, make_rule
@@ -65,7 +65,7 @@ class BatchEvictionKVCache(_BaseCache):
 
     per_row_mask = True  # rows differ in what they hold: see mlx_compat.own_layer_masks
 
-    def __init__(self, budget: int = 512, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
+    def __init__(self, budget: int = CACHE_BUDGET, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
                  keep: str = "low", coverage: float = 0.0, batch_size: int = 0,
                  spans: Optional[Sequence[Spans]] = None, kv_bits: Optional[int] = None,
                  kv_group_size: int = EvictionConfig.kv_group_size, *, question_score: str = "mean",
@@ -630,7 +630,7 @@ class EvictionKVCache(BatchEvictionKVCache):
 
     per_row_mask = False
 
-    def __init__(self, budget: int = 512, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
+    def __init__(self, budget: int = CACHE_BUDGET, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
                  keep: str = "low", coverage: float = 0.0, spans: Spans = ALL_EVICTABLE,
                  kv_bits: Optional[int] = None, kv_group_size: int = EvictionConfig.kv_group_size, *,
                  question_score: str = "mean", carry: float = 0.0, spread: float = 0.0, salt: int = 0):

@@ -327,6 +327,9 @@ class _Unset:
 UNSET: Any = _Unset()
 
 DEFAULT_RATIO = 4.0
+# A cache class built by hand without a budget keeps this many tokens per layer: it sees no
+# document before its first block, so it cannot follow a ratio. Configs follow DEFAULT_RATIO.
+CACHE_BUDGET = 512
 """The compression when neither ``budget`` nor ``ratio`` is given: a quarter of each
 document kept (chosen by the rule in docs/history.md, measured in docs/results.md)."""
 
