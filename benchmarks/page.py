@@ -164,7 +164,8 @@ def chunk_table() -> str:
     return report(load(name)) + "\n\n" + command(name)
 
 
-JOB_FILE = "cost-job.json"  # the whole job measured alone (cost.py --skip-prefill --skip-together)
+JOB_FILE = "cost-job.json"  # the whole job measured alone
+JOB_COMMAND = f"python benchmarks/cost.py --skip-prefill --skip-together --out benchmarks/results/{JOB_FILE}"
 
 
 def cost_tables() -> str:
@@ -186,7 +187,7 @@ def cost_tables() -> str:
     job, commands = result, ["python benchmarks/cost.py" + (" --quick" if result.get("quick") else "")]
     if not result.get("job") and (RESULTS / JOB_FILE).exists():
         job = load(JOB_FILE)
-        commands.append(f"python benchmarks/cost.py --skip-prefill --skip-together --out benchmarks/results/{JOB_FILE}")
+        commands.append(JOB_COMMAND)
     if job.get("job"):
         when = "" if job is result else (f", measured {job['date'][:10]} in a run of its own on "
                                          f"{job['machine'].get('cpu_model') or 'this machine'}")
@@ -194,7 +195,7 @@ def cost_tables() -> str:
                   job_table(job["job"])]
     else:
         parts.append("**The whole job** (`knorm-batch`'s runner against mlx_lm's `batch_generate`): not measured.")
-        commands.append(f"python benchmarks/cost.py --skip-prefill --skip-together --out benchmarks/results/{JOB_FILE}")
+        commands.append(JOB_COMMAND)
     measured = aims({**result, "job": job.get("job")}, {})
     if measured:
         parts += ["**The aims**, as ratios of the numbers above:", aims_table(measured)]
