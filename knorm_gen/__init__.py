@@ -22,7 +22,7 @@ from .prompts import PromptTooLongError  # noqa: E402
 from .results import GenerationResult  # noqa: E402
 from .runtime import runtime_info  # noqa: E402
 from .support import ModelSupport, UnsupportedModelError, model_support  # noqa: E402
-from .tune import NoTuningError, tuned_config  # noqa: E402
+from .tunings import NoTuningError, tuned_config  # noqa: E402
 
 __version__ = "0.13.0"
 

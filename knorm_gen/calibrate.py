@@ -22,7 +22,8 @@ from .config import LAYOUT_FIELDS, EvictionConfig
 from .evaluate import TUNE_FILLERS, Doc
 from .layouts import describe
 from .prompts import as_tokenizer
-from .tune import QUICK_ARMS, auto_config, load_tuning, run_ratio, save_tuning, saved_layout, tune, tuning_refusal
+from .tune import QUICK_ARMS, tune
+from .tunings import auto_config, load_tuning, run_ratio, save_tuning, saved_layout, tuning_refusal
 
 
 @dataclass

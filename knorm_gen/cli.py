@@ -32,6 +32,7 @@ from click.core import ParameterSource
 
 from . import __version__
 from .admission import parse_size
+from .calibrate import settle
 from .config import (
     EVICTION_FIELDS,
     GENERATION_FIELDS,
@@ -64,8 +65,8 @@ from .memory import kv_memory
 from .models import get_model
 from .sink import budget_warning, silence_stdout
 from .sources import DEFAULT_GLOBS, PDF_EXTRA
-from .tune import (DOC_TOKENS, QUICK_ARMS, QUICK_DOCS, SWEEP_RATIOS, TUNE_ARMS, TUNE_DOCS, bounded, save_tuning,
-                   tune)
+from .tune import DOC_TOKENS, QUICK_ARMS, QUICK_DOCS, SWEEP_RATIOS, TUNE_ARMS, TUNE_DOCS, bounded, tune
+from .tunings import save_tuning
 
 RUN_KEYS = ("input", "output", "model", "batch_size", "stats_log", "summary_json", "texts", "limit", "max_kv_memory",
             "extra_eos_tokens", "chat_template_config", "adapter_path", "trust_remote_code", "glob", "calibrate")
@@ -534,7 +535,8 @@ def _run(ctx: click.Context, settings: dict, options: BatchOptions, quiet: bool)
 
     group = launch_group()  # one process unless started by mlx.launch
     try:
-        summary = run_batch(settings["input"], settings.get("output"), options, progress=not quiet, group=group)
+        summary = run_batch(settings["input"], settings.get("output"), options, progress=not quiet, group=group,
+                            calibrator=settle)
     except BatchUsageError as e:
         if group.rank:  # every rank reaches the same verdict; rank 0 says it
             ctx.exit(EXIT_USAGE)
@@ -708,7 +710,7 @@ def _layout(model: Any, tokenizer: Any, eviction: EvictionConfig, preset: Option
     """``eviction`` with --preset auto's layout (the model's saved tuning, said on stderr)."""
     if preset != "auto":
         return eviction
-    from .tune import auto_config, run_ratio
+    from .tunings import auto_config, run_ratio
 
     try:
         eviction, note = auto_config(model, eviction, auto_layout({**opts, "preset": preset}),

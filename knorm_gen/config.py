@@ -20,6 +20,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 from .quant import KV_GROUP_SIZES, check_head_dims, check_kv_quantization
 from .rules import KEEP_MODES, RULES
 from .rules.question import READINGS
+from .spans import Spans, span_positions
 
 LEGACY_RULES: dict[str, dict[str, Any]] = {
     "question_per_query": dict(keep="question", question_score="per_query", carry=0.0),
@@ -175,7 +176,7 @@ def parse_ratio(value: Any) -> Optional[float]:
 
 UNSIZED = 1 << 30
 """A compressed layer's budget in a layout whose budget follows the document (``ratio``)
-before the document is known (:meth:`ResolvedEviction.for_document` sets it)."""
+before the document is known (:meth:`ResolvedEviction.for_row` sets it)."""
 
 MIN_RATIO_BUDGET = 16
 """The fewest tokens a layer keeps of a document under ``ratio`` (a short document is kept whole below it)."""
@@ -187,6 +188,17 @@ def ratio_budget(doc_tokens: int, ratio: float, cap: Optional[int] = None, reser
     (sinks in the template), at least :data:`MIN_RATIO_BUDGET`, at most ``cap``."""
     budget = max(MIN_RATIO_BUDGET, math.ceil(doc_tokens / ratio) + reserved)
     return budget if cap is None else min(budget, cap)
+
+
+def row_budget(ratio: float, cap: Optional[int], n_sink: int, spans: Spans, n_ids: int) -> int:
+    """What one row keeps under ``ratio``: each compressed layer's budget for the document
+    that ``spans`` mark in a prompt of ``n_ids`` tokens. 1/ratio of the document's positions
+    (rounded up), plus the sinks that lie outside the document (pinned, yet held in the
+    budget's slots), at least :data:`MIN_RATIO_BUDGET`, at most ``cap``. The one place a
+    row's budget is worked out: generation, admission, memory estimates, records and the
+    measuring harness (:mod:`knorm_gen.evaluate`) all come here."""
+    sinks = min(n_sink, n_ids)
+    return ratio_budget(span_positions(spans, n_ids), ratio, cap, reserved=sinks - span_positions(spans, sinks))
 
 
 def _layer_list(text: str, what: str) -> list[int]:
@@ -654,9 +666,18 @@ class ResolvedEviction:
         ``reserved`` sink slots outside it, at most ``budget``); otherwise itself."""
         if self.ratio is None:
             return self
-        b = ratio_budget(doc_tokens, self.ratio, self.budget, reserved)
+        return self._sized(ratio_budget(doc_tokens, self.ratio, self.budget, reserved))
+
+    def _sized(self, b: int) -> "ResolvedEviction":
         r = auto_recent(b, self.recent_share, self.n_sink) if self.fixed_recent is None else self.fixed_recent
         return replace(self, layers=tuple(None if p is None else (b, r) for p in self.layers))
+
+    def for_row(self, spans: Spans, n_ids: int) -> "ResolvedEviction":
+        """This layout for one row: the document that ``spans`` mark in a prompt of ``n_ids``
+        tokens sets each compressed layer's budget under ``ratio`` (:func:`row_budget`)."""
+        if self.ratio is None:
+            return self
+        return self._sized(row_budget(self.ratio, self.budget, self.n_sink, spans, n_ids))
 
     def batch_form(self) -> "ResolvedEviction":
         """The settings rows must share to decode together: this layout with the budgets that
@@ -873,7 +894,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                      layer_keep=None, spread=0.0),
     "intrinsic": dict(recent_share=0.5, keep="blend", early_keep="auto", skip_layers=(), early_factor=None,
                       layer_budgets=None, coverage=0.25, layer_keep=None, spread=0.0),
-    "auto": {},  # the model's saved tuning: resolved once the model is loaded (knorm_gen.tune.auto_config)
+    "auto": {},  # the model's saved tuning: resolved once the model is loaded (knorm_gen.tunings.auto_config)
 }
 LAYOUT_FIELDS = ("keep", "question_score", "carry", "spread", "early_keep", "coverage", "recent_share", "skip_layers",
                  "layer_budgets", "early_factor", "layer_keep")

@@ -33,7 +33,7 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 
 from .cache import copy_caches, make_eviction_cache, pin_caches, probe_caches
-from .config import DEFAULT_QUESTION_SEPARATOR, EvictionConfig
+from .config import DEFAULT_QUESTION_SEPARATOR, EvictionConfig, row_budget
 from .engine import needs_probe, prefill
 from .memory import cache_stats
 from .prompts import as_tokenizer, context_spans, encode_with_spans, has_chat_template, split_question_prompts
@@ -151,9 +151,11 @@ class Evaluator:
         fields = {} if arm == "full" else self.arms[arm]
         return EvictionConfig(budget=budget, **fields).resolved(self.n_layers, self.full_layers)
 
-    def budget_for(self, doc_tokens: int) -> int:
-        """The budget of a document of ``doc_tokens`` at this ratio (as ``--ratio`` gives it)."""
-        return max(8, math.ceil(doc_tokens / self.ratio))
+    def budget_for(self, spans: Any, n_ids: int) -> int:
+        """The budget of the document ``spans`` mark in a prompt of ``n_ids`` tokens at this
+        ratio: the product's own (:func:`~knorm_gen.config.row_budget`, as ``--ratio`` gives it;
+        no spans: the whole prompt is the document)."""
+        return row_budget(self.ratio, None, EvictionConfig.n_sink, spans or ((0, n_ids),), n_ids)
 
     def caches(self, arm: str, budget: Optional[int], spans=ALL_EVICTABLE, ids: Optional[Sequence[int]] = None,
                questions: Sequence[Sequence[int]] = ()) -> list:
@@ -174,7 +176,7 @@ class Evaluator:
         question = KEY_QUESTION if self.chat else KEY_CUE
         prefix, (q_ids,) = split_question_prompts(self.tok, context, [question], chat=self.chat)
         spans = context_spans(self.tok, context, prefix, chat=self.chat)
-        return prefix, q_ids, spans, self.budget_for(_span_tokens(spans, len(prefix)))
+        return prefix, q_ids, spans, self.budget_for(spans, len(prefix))
 
     def ctq_answer(self, arm: str, seed: str, prefix: list, q_ids: list, spans: Any,
                    budget: int) -> tuple[str, list]:
@@ -251,7 +253,7 @@ class Evaluator:
         (start, end), = spans or ((0, len(prefix)),)
         human = self.tok.encode(" " + doc.summary, add_special_tokens=False) if doc.summary else None
         return dict(doc=doc, key=key, depth=depth, prefix=prefix, sum_q=sum_q, key_q=key_q, spans=spans, end=end,
-                    cut=end - max(16, min(tail, (end - start) // 4)), budget=self.budget_for(end - start),
+                    cut=end - max(16, min(tail, (end - start) // 4)), budget=self.budget_for(spans, len(prefix)),
                     human=human, doc_tokens=end - start)
 
     def _document_arm(self, arm: str, c: dict, refs: dict, max_tokens: int) -> list[dict]:
@@ -289,11 +291,6 @@ class Evaluator:
         return [dict(task=task, **{**common, "arm": "none"}, reference=self.tok.decode(ref), reference_ids=ref,
                      nll=answer_nll(self.model, self.caches("full", None), prefix + q, ref))
                 for task, ref in refs.items() if len(ref) >= 4]
-
-
-def _span_tokens(spans: Sequence[tuple[int, int]], total: int) -> int:
-    """The document's tokens (its spans' total), or ``total`` when the whole prompt is evictable."""
-    return sum(b - a for a, b in spans) if spans else total
 
 
 def passkey_cases(docs: Sequence[Doc], fillers: Sequence[str], tok: Any, depths: Sequence[float], seed: int,

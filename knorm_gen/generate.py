@@ -14,7 +14,6 @@ from .prompts import (Prompt, as_tokenizer, check_length, context_spans, encode_
                       has_chat_template, question_prompts)
 from .results import GenerationResult
 from .long_documents import REDUCE_HEADER, fit_context, fit_prompt, needs_pieces, pieces, room_for
-from .spans import span_positions
 from .support import check_model
 
 __all__ = [
@@ -32,7 +31,7 @@ def resolve_settings(model: Any, eviction: Eviction, generation: Optional[Genera
     settings resolved for ``model`` (a :class:`ResolvedEviction` is taken as it is
     unless a keyword changes it). With ``preset="auto"``, the documents ``texts``
     tell the run's compression, which the saved tuning must match
-    (:func:`~knorm_gen.tune.auto_config`)."""
+    (:func:`~knorm_gen.tunings.auto_config`)."""
     if isinstance(eviction, ResolvedEviction) and not set(settings) & {*EvictionConfig.__dataclass_fields__, "preset"}:
         _, generation = make_configs(None, generation, **settings)
         return eviction, generation
@@ -40,7 +39,7 @@ def resolve_settings(model: Any, eviction: Eviction, generation: Optional[Genera
         raise TypeError("eviction settings given as keywords need an EvictionConfig, not a resolved one")
     eviction, generation = make_configs(eviction, generation, **settings)
     if settings.get("preset") == "auto":  # the model's saved tuning (knorm-tune); the default without one
-        from .tune import auto_config, run_ratio
+        from .tunings import auto_config, run_ratio
 
         ratio = run_ratio(tokenizer, texts, eviction) if tokenizer is not None else None
         eviction, note = auto_config(model, eviction, tuple(k for k in LAYOUT_FIELDS if k in settings), ratio)
@@ -199,13 +198,6 @@ def _as_list(questions: Any) -> list:
     return [questions] if isinstance(questions, str) else list(questions)
 
 
-def for_document(eviction: ResolvedEviction, spans: Any, n_ids: int) -> ResolvedEviction:
-    """``eviction`` sized for the document that ``spans`` mark in a prompt of ``n_ids`` tokens:
-    under ``ratio`` it keeps 1/ratio of the document's positions, its sinks outside them on top."""
-    sinks = min(eviction.n_sink, n_ids)
-    return eviction.for_document(span_positions(spans, n_ids), reserved=sinks - span_positions(spans, sinks))
-
-
 def prompt_request(model: Any, tokenizer: Any, key: Any, prompt: Prompt, eviction: ResolvedEviction,
                    generation: GenerationConfig, tag: Any = None) -> Request:
     """A :class:`~knorm_gen.engine.Request` for one prompt: its ids, checked against the
@@ -217,7 +209,7 @@ def prompt_request(model: Any, tokenizer: Any, key: Any, prompt: Prompt, evictio
                                    special=generation.parse_special_tokens,
                                    pin_prefix_chars=generation.pin_prefix_chars)
     check_length(model, len(ids))
-    return Request(key, for_document(eviction, spans, len(ids)), generation, ids=ids, spans=spans, tag=tag,
+    return Request(key, eviction.for_row(spans, len(ids)), generation, ids=ids, spans=spans, tag=tag,
                    long_document=info)
 
 
@@ -238,7 +230,7 @@ def question_request(model: Any, tokenizer: Any, key: Any, context: str, questio
     spans = context_spans(tokenizer, context, context_ids, chat=_chat(tokenizer, generation),
                           system_prompt=generation.system_prompt, special=generation.parse_special_tokens,
                           pin_prefix_chars=generation.pin_prefix_chars)
-    return Request(key, for_document(eviction, spans, len(context_ids)), generation, context_ids=context_ids,
+    return Request(key, eviction.for_row(spans, len(context_ids)), generation, context_ids=context_ids,
                    questions=questions, question_ids=question_ids, spans=spans, tag=tag, long_document=info)
 
 

@@ -44,6 +44,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .files import fsync_folder, replacing
+from .runtime import cache_root
 
 __all__ = [
     "CONVERTER_VERSION",
@@ -790,15 +791,6 @@ def _eos_ids(tokenizer, metadata: dict[str, Any]) -> list[int]:
 
 
 # --------------------------------------------------------------- conversion
-
-
-def cache_root() -> Path:
-    """Where converted models live: ``$KNORM_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/knorm_gen``, else ``~/.cache/knorm_gen``."""
-    if env := os.environ.get("KNORM_CACHE_DIR"):
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "knorm_gen"
 
 
 def converted_dir(sha256: str) -> Path:

@@ -43,7 +43,6 @@ from tqdm import tqdm
 
 from . import records as rec
 from .admission import default_kv_limit
-from .calibrate import settle
 from .config import EvictionConfig, GenerationConfig, RowsConfig
 from .distributed import Group, part_path, shard_of, share
 from .engine import DEFAULT_BATCH_SIZE
@@ -64,7 +63,7 @@ from .resume import Outputs, ResumePlan, Wanted, merge_group, plan_run
 from .rows import Row
 from .runner import RowRunner, RowSettings
 from .support import describe_model
-from .tune import auto_config, run_ratio
+from .tunings import auto_config, run_ratio
 from .sources import InputSource, open_source
 from .sink import FIRST_ERRORS, Interrupted, Signals, Sink, row_name, stderr_log
 
@@ -294,6 +293,7 @@ def run_batch(
     log: Optional[Callable[[str], None]] = None,
     stdout: Optional[BinaryIO] = None,
     group: Optional[Group] = None,
+    calibrator: Optional[Callable[..., Any]] = None,
 ) -> BatchSummary:
     """Run every row of ``input_path`` (``-`` = stdin; a folder: one row per file
     matching ``options.globs``) into ``output_path``.
@@ -308,10 +308,15 @@ def run_batch(
     :mod:`knorm_gen.distributed`), this process runs its share of the rows
     into its part file, and rank 0 writes the final output, stats log and
     summary once every rank has finished.
+
+    ``options.calibrate`` needs ``calibrator``: the tuner's
+    :func:`knorm_gen.calibrate.settle` (``knorm-batch --calibrate`` passes it), so the job
+    itself does not import the tuner.
     """
     try:
         return _run_batch(input_path, output_path, options or BatchOptions(), model=model, tokenizer=tokenizer,
-                          progress=progress, log=log or stderr_log, stdout=stdout, group=group or Group())
+                          progress=progress, log=log or stderr_log, stdout=stdout, group=group or Group(),
+                          calibrator=calibrator)
     except FileUsageError as e:
         if isinstance(e, BatchUsageError):
             raise
@@ -390,12 +395,15 @@ class _Prepared:
 
 
 def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokenizer, progress, log, stdout,
-               group: Group) -> BatchSummary:
+               group: Group, calibrator: Optional[Callable[..., Any]] = None) -> BatchSummary:
     options.check()
+    if options.calibrate and calibrator is None:
+        raise BatchUsageError("calibrate needs the tuner: pass calibrator=knorm_gen.calibrate.settle to run_batch "
+                              "(knorm-batch --calibrate does)")
     files = _Files.plan(input_path, output_path, options, group)
     progress = progress and group.rank == 0  # rank 0 shows the bar; the others speak only of errors
     with Signals(log) as signals:
-        ready = _prepare(files, options, model, tokenizer, group, log if progress else None)
+        ready = _prepare(files, options, model, tokenizer, group, log if progress else None, calibrator)
         try:
             try:
                 plan = plan_run(files, ready.wanted, accept_old=options.accept_old_records,
@@ -450,7 +458,8 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
 
 
 def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Group,
-             log: Optional[Callable[[str], None]] = None) -> _Prepared:
+             log: Optional[Callable[[str], None]] = None,
+             calibrator: Optional[Callable[..., Any]] = None) -> _Prepared:
     """Every check before work: files, locks, the model, the settings (the layout
     settled: --preset auto, --calibrate), the input's rows. In a group, every rank hears
     of any rank's failure and stops with it."""
@@ -467,8 +476,8 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
         tokenizer = prepare_tokenizer(tokenizer, options)
         eviction, note, layout = options.eviction, None, None
         if options.calibrate:
-            settled = settle(model, tokenizer, options, _first_documents(source), distributed=group.distributed,
-                             log=log)
+            settled = calibrator(model, tokenizer, options, _first_documents(source), distributed=group.distributed,
+                                 log=log)
             eviction, note, layout = settled.eviction, settled.note, settled.layout
         elif options.auto_layout is not None:
             ratio = run_ratio(tokenizer, _first_documents(source), options.eviction)

@@ -216,7 +216,7 @@ def kv_memory(model: nn.Module, config: Union[EvictionConfig, ResolvedEviction, 
         from .models import model_context_length
 
         doc_tokens = doc_tokens or model_context_length(model) or 8192
-        config = config.for_document(doc_tokens)
+        config = config.for_document(doc_tokens, reserved=config.n_sink)  # sinks outside it: the most it holds
     caches = make_eviction_cache(model, config, ())  # the token pinned: nothing to score, no probe needed
     model(mx.array([[0]]), cache=caches)
     mx.eval([c.state for c in caches])

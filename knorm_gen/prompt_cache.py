@@ -29,7 +29,6 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from .cache import copy_caches, make_eviction_cache, pin_caches, probe_caches
 from .config import EvictionConfig, GenerationConfig, ResolvedEviction, settings_dict
 from .engine import stream_ids, prefill
-from .generate import for_document
 from .memory import cache_stats
 from .prompts import (ids_before_marker, as_tokenizer, check_length, context_spans, encode_text, has_chat_template,
                       question_prompts, with_system_prompt)
@@ -153,7 +152,7 @@ def save_document(model: Any, tokenizer: Any, document: str, path: Union[str, Pa
                           special=generation.parse_special_tokens, pin_prefix_chars=generation.pin_prefix_chars)
     resolved = eviction.for_model(model)
     check_model(model, resolved)
-    resolved = for_document(resolved, spans, len(ids))
+    resolved = resolved.for_row(spans, len(ids))
     tic = time.perf_counter()
     caches = probe_caches(make_eviction_cache(model, resolved, spans), model, tok, ids, spans, question_ids)
     prefill(model, ids, caches, generation.prefill_step_size)
@@ -267,7 +266,7 @@ def resolved_for(saved: SavedDocument, model: Any) -> ResolvedEviction:
     """The file's eviction settings resolved for ``model`` and its document, checked against
     what the file's caches were made with (``PromptCacheError``: another model's caches)."""
     resolved = saved.eviction.for_model(model)
-    resolved = for_document(resolved, saved.spans, len(saved.ids))
+    resolved = resolved.for_row(saved.spans, len(saved.ids))
     if resolved.to_dict() != saved.settings or len(saved.caches) != resolved.n_layers:
         raise PromptCacheError(f"{saved.path} holds caches for another model (its layers and settings do not fit "
                                f"this one): ask it with the model it was saved with ({saved.model})")

@@ -15,6 +15,7 @@ import os
 import platform
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -182,3 +183,12 @@ def warn_if_slow(*, keeps_low_precision: bool | None = None) -> None:
             "kernels are many times slower than float32. Load with float32=True "
             "(and unset KNORM_KEEP_DTYPE) for speed.",
         )
+
+
+def cache_root() -> Path:
+    """Where knorm_gen keeps what it makes once (converted models, saved tunings): ``$KNORM_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/knorm_gen``, else ``~/.cache/knorm_gen``."""
+    if env := os.environ.get("KNORM_CACHE_DIR"):
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "knorm_gen"

@@ -1,5 +1,4 @@
-"""Choosing a layout for one model, and remembering it: ``knorm-tune``, ``--preset auto``
-and ``knorm-batch --calibrate``.
+"""Choosing a layout for one model: ``knorm-tune`` and ``knorm-batch --calibrate``.
 
 The measurements are :mod:`knorm_gen.evaluate`'s (summary fidelity, pass keys and
 perplexity through the product's own prefill, against the full cache and random
@@ -8,8 +7,8 @@ its own length, cut only above ``doc_tokens``, at the job's budget or ratio), le
 of the fidelity average the documents whose reference says nothing of them
 (:func:`degenerate_references`), chooses (:func:`choose`: never a layout below random
 eviction beyond its 95% interval), says when the documents are too few to separate the
-arms (:func:`separation_note`) and saves the choice per model (:func:`save_tuning`,
-read by :func:`auto_config`).
+arms (:func:`separation_note`). The choice is saved per model in :mod:`knorm_gen.tunings`,
+which ``--preset auto`` reads without this module.
 """
 
 from __future__ import annotations
@@ -17,14 +16,11 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-import mlx.core as mx
-import numpy as np
-
-from .config import OLD_RECENT_SHARE, EvictionConfig
 from .evaluate import (TUNE_FILLERS, TUNE_MODES, Doc, Evaluator, bootstrap_interval, head_tokens, measure,
                        recovered_by_doc, summarize, tuning_cases)
 from .layouts import CANDIDATES, describe
 from .prompts import as_tokenizer
+from .tunings import below_random, model_identity
 
 TUNE_ARMS = ("default", "spread25", "no_carry", "intrinsic", "low", "keydiff", "random")
 """What ``knorm-tune`` measures by default (``--arms`` for the others of :data:`CANDIDATES`):
@@ -44,8 +40,6 @@ QUICK_DOCS = 3
 """``--quick`` measures this many documents: one cannot give an interval."""
 
 
-class NoTuningError(LookupError):
-    """No saved tuning for this model (and budget)."""
 
 
 def bounded(fields: dict) -> bool:
@@ -94,11 +88,6 @@ def without_fidelity_of(rows: Iterable[dict], docs: Iterable[str]) -> list[dict]
 # ---- choosing ------------------------------------------------------------------------------
 
 
-def below_random(entry: dict) -> bool:
-    """Whether a :func:`~knorm_gen.evaluate.summarize` entry keeps less of a summary than
-    random eviction beyond its 95% interval (the interval's upper end below 0)."""
-    interval = entry.get("vs_random_interval")
-    return interval is not None and interval[1] < 0
 
 
 class _Targets:
@@ -213,7 +202,7 @@ class BudgetEvaluator(Evaluator):
         super().__init__(model, tokenizer, arms, **kwargs)
         self.budget = budget
 
-    def budget_for(self, doc_tokens: int) -> int:
+    def budget_for(self, spans: Any, n_ids: int) -> int:
         return self.budget
 
 
@@ -326,150 +315,3 @@ def budget_sweep(arm: str, points: Sequence[dict], target_fidelity: Optional[flo
     meeting = [p for p in out if p["meets"]]
     return dict(arm=arm, target_fidelity=target_fidelity, target_keys=target_keys, points=out,
                 smallest=min(meeting, key=lambda p: p["budget"]) if meeting else None)
-
-
-# ---- remembering the choice per model ---------------------------------------------------------
-
-
-def model_identity(model: Any) -> str:
-    """A digest of the model's weights (shapes and a sample of every tensor): a tuning
-    is kept per model, whatever path it was loaded from."""
-    import hashlib
-
-    from mlx.utils import tree_flatten
-
-    h = hashlib.sha256()
-    for name, w in tree_flatten(model.parameters()):
-        sample = w.reshape(-1)[:4096]
-        if sample.dtype not in (mx.float32, mx.uint32, mx.int32):
-            sample = sample.astype(mx.float32)
-        h.update(f"{name}{tuple(w.shape)}{w.dtype}".encode())
-        h.update(np.array(sample).tobytes())
-    return h.hexdigest()[:24]
-
-
-def tuning_dir() -> "Path":
-    from pathlib import Path
-
-    from .gguf import cache_root
-
-    return Path(cache_root()) / "tuned"
-
-
-def tuning_path(model: Any) -> "Path":
-    return tuning_dir() / f"{model_identity(model)}.json"
-
-
-def save_tuning(model: Any, record: dict) -> "Path":
-    """Write ``record`` (what :func:`tune` returns) as this model's saved tuning."""
-    import json
-    import os
-
-    path = tuning_path(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, path)
-    return path
-
-
-def load_tuning(model: Any) -> Optional[dict]:
-    import json
-
-    path = tuning_path(model)
-    if not path.exists():
-        return None
-    return json.loads(path.read_text())
-
-
-def tuned_config(model: Any, budget: Optional[int] = None) -> EvictionConfig:
-    """The layout ``knorm-tune`` chose for ``model`` (at ``budget`` when given, else
-    the budget it was tuned at). Raises :class:`NoTuningError` naming the command to
-    run when this model has none."""
-    saved = load_tuning(model)
-    if saved is None:
-        raise NoTuningError("no saved tuning for this model: run `knorm-tune --model <this model>` (on a few of "
-                            "your own documents: `knorm-tune --model M docs.jsonl --context-field text`)")
-    return EvictionConfig(**{**saved_layout(saved), "budget": budget if budget is not None else saved["budget"]})
-
-
-def saved_layout(saved: dict) -> dict:
-    """A saved tuning's layout (:class:`~knorm_gen.config.EvictionConfig` fields), each
-    field it lacks read as what it meant when it was saved: before ``recent_share``, the
-    window every layout had then (:data:`~knorm_gen.config.OLD_RECENT_SHARE`); before
-    ``early_keep``, its rule in every layer; before ``question_score`` and ``carry``, a
-    plain ``keep="question"`` was the best reading without carry (the old rule names,
-    ``question_carry`` and the like, are read by EvictionConfig itself); before
-    ``spread``, none."""
-    layout = dict(saved["layout"])
-    old_rule = "blend" if layout.get("keep") == "blend" else "auto"  # auto: the blend alone gets leverage
-    then = {"recent_share": OLD_RECENT_SHARE, "early_keep": old_rule, "spread": 0.0}
-    if layout.get("keep") == "question":
-        then.update(question_score="best", carry=0.0)
-    out = {**then, **layout}
-    if out.get("skip_layers") is not None:
-        out["skip_layers"] = tuple(out["skip_layers"])
-    return out
-
-
-RATIO_TOLERANCE = 1.5
-"""``--preset auto`` uses a tuning for runs that compress within this factor of the
-ratio it was measured at (tuned at 4x: 2.7x to 6x); outside it the default runs."""
-
-
-def run_ratio(tokenizer: Any, texts: Iterable[Any], eviction: Any) -> Optional[float]:
-    """A run's compression, as ``knorm-tune`` measures it: the mean over its documents
-    (``texts``: strings, token ids or chat messages) of each one's tokens per token kept,
-    under ``eviction``'s ``ratio`` (1/R of each document) capped by its ``budget``. None
-    with neither, or without a text."""
-    ratio, budget = getattr(eviction, "ratio", None), getattr(eviction, "budget", None)
-    if budget is None:
-        return ratio
-    tok = as_tokenizer(tokenizer)
-    counts = []
-    for t in texts:
-        if isinstance(t, str):
-            counts.append(len(tok.encode(t, add_special_tokens=False)))
-        elif isinstance(t, (list, tuple)) and t and all(isinstance(m, dict) for m in t):
-            counts.append(sum(len(tok.encode(str(m.get("content", "")), add_special_tokens=False)) for m in t))
-        elif isinstance(t, (list, tuple)) or hasattr(t, "shape"):
-            counts.append(len(t))
-    per_doc = [max(ratio or 0.0, n / budget) for n in counts]
-    return sum(per_doc) / len(per_doc) if per_doc else None
-
-
-def tuning_refusal(saved: Optional[dict], ratio: Optional[float]) -> Optional[tuple[str, str]]:
-    """Why ``--preset auto`` does not use a saved tuning, and what to run instead; None
-    when it does. ``ratio``: the run's compression (:func:`run_ratio`); a tuning measured
-    at a ratio more than :data:`RATIO_TOLERANCE` times off it is not used, nor one whose
-    chosen layout was recorded as below random eviction beyond its 95% interval (older
-    tunings have no interval, and are used)."""
-    if saved is None:
-        return "no saved tuning for this model", "run `knorm-tune --model ...` to measure one"
-    if ratio is not None and max(ratio / saved["ratio"], saved["ratio"] / ratio) > RATIO_TOLERANCE:
-        return (f"this model's tuning was measured at {saved['ratio']:.3g}x and this run compresses about "
-                f"{ratio:.1f}x", f"run `knorm-tune --model ... --ratio {ratio:.1f}` to tune for it")
-    if below_random((saved.get("table") or {}).get(saved.get("chosen"), {})):
-        return (f"this model's tuning chose {saved['chosen']}, which kept less of a summary than random eviction "
-                f"beyond its 95% interval", "run `knorm-tune --model ...` again, on more documents")
-    return None
-
-
-def auto_config(model: Any, eviction: EvictionConfig, given: Sequence[str] = (),
-                ratio: Optional[float] = None) -> tuple[EvictionConfig, str]:
-    """``--preset auto``: the saved tuning's layout at ``eviction``'s budget (the
-    layout fields named in ``given``, set by the user beside the preset, stay), or
-    the default layout when :func:`tuning_refusal` refuses it (no tuning, one made at
-    another ratio or one below random eviction); and one line saying which and why.
-    Tunings are kept per model (a digest of its weights), so another model's is never
-    found."""
-    from dataclasses import replace
-
-    saved = load_tuning(model)
-    refused = tuning_refusal(saved, ratio)
-    if refused is not None:
-        return eviction, f"preset auto: {refused[0]}, so the default layout runs (keep={eviction.keep}); {refused[1]}"
-    fields = {k: v for k, v in saved_layout(saved).items() if k != "budget" and k not in given}
-    return replace(eviction, **fields), (f"preset auto: {saved['chosen']} ({describe(fields)}), tuned for job "
-                                         f"{saved['job']} at {saved['ratio']:.3g}x on {len(saved['docs'])} documents"
-                                         + (f" (this run: about {ratio:.1f}x)" if ratio is not None else ""))

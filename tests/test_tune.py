@@ -18,8 +18,8 @@ from knorm_gen.config import EvictionConfig
 from knorm_gen.evaluate import Evaluator, summarize, with_needle
 from knorm_gen.layouts import CANDIDATES
 from knorm_gen.models import load_model
-from knorm_gen.tune import (QUICK_ARMS, NoTuningError, auto_config, choose, degenerate_references, load_tuning,
-                            model_identity, rank, save_tuning, separation_note, tuned_config)
+from knorm_gen.tune import QUICK_ARMS, choose, degenerate_references, rank, separation_note
+from knorm_gen.tunings import NoTuningError, auto_config, load_tuning, model_identity, save_tuning, tuned_config
 
 
 @pytest.fixture(autouse=True)
@@ -424,9 +424,11 @@ def test_the_sweep_at_the_tuned_ratio_repeats_the_tuning_and_budgets_follow_the_
     sweep = record["sweep"]
     assert sweep["arm"] == record["chosen"] == "low" and [p["ratio"] for p in sweep["points"]] == [4.0, 2.0]
     at_2 = sweep["points"][1]["budget"]
-    assert sweep["points"][0]["budget"] == record["budget"] and abs(at_2 - 2 * record["budget"]) <= 1
-    # at --ratio each document's arms keep its tokens / ratio
-    assert all(r["budget"] == math.ceil(r["doc_tokens"] / 4) for r in record["rows"]
+    # the document's share doubles at 2x; the four sinks before it are held on top at either ratio
+    assert sweep["points"][0]["budget"] == record["budget"] and abs((at_2 - 4) - 2 * (record["budget"] - 4)) <= 1
+    # at --ratio each document's arms keep its tokens / ratio, as the product runs it: the template's first
+    # four tokens (the sinks, before the document) are held in the budget's slots on top
+    assert all(r["budget"] == math.ceil(r["doc_tokens"] / 4) + 4 for r in record["rows"]
                if r["task"] == "ppl" and r["arm"] != "full")
     # a filler's key is asked twice: after the context (question pinned) and inside one prompt as the product
     # runs it; a document's after the context
@@ -603,7 +605,7 @@ def test_a_ctq_pass_key_is_asked_after_the_context_as_mlx_lm_would_answer_it_wit
 
 
 def test_run_ratio_follows_the_ratio_and_its_budget_cap():
-    from knorm_gen.tune import run_ratio
+    from knorm_gen.tunings import run_ratio
 
     from .zoo import tiny_tokenizer
 
