@@ -107,7 +107,7 @@ def calibrate(model: Any, tokenizer: Any, eviction: EvictionConfig, docs: list[D
         log(f"knorm-batch: --calibrate {n}: measuring {', '.join(QUICK_ARMS)} on {len(docs)} of the first rows' "
             f"documents against the full cache (saved for this model; --preset auto reuses it)")
     tic = time.perf_counter()
-    record = tune(model, tokenizer, docs, ratio=ratio, budget=None if ratio is not None else eviction.budget,
+    record = tune(model, tokenizer, docs, ratio=ratio, budget=eviction.budget,
                   job="both", arms=QUICK_ARMS, fillers=TUNE_FILLERS[:1], log=lambda m: None,
                   progress=bool(log) and sys.stderr.isatty())
     seconds = time.perf_counter() - tic

@@ -34,6 +34,7 @@ from . import __version__
 from .admission import parse_size
 from .calibrate import settle
 from .config import (
+    DEFAULT_RATIO,
     EVICTION_FIELDS,
     GENERATION_FIELDS,
     ROWS_FIELDS,
@@ -943,12 +944,12 @@ def stats_line(result: Any, memory: Any = None, pinned: str = "the template, que
 @click.option("--context-field", default="context", show_default=True,
               help="The field of DOCS holding a document, as knorm-batch's --context-field.")
 @click.option("--budget", type=click.IntRange(min=8), default=None,
-              help="The budget your runs use: every candidate keeps N tokens of each document, so the compression "
-                   "measured is each document's tokens / N, your runs' own (default: each document's tokens / "
-                   "--ratio).")
-@click.option("--ratio", type=click.FloatRange(min=1.5), default=4.0, show_default=True,
-              help="The compression your runs use: every candidate keeps each document's tokens / R (ignored with "
-                   "--budget).")
+              help="As in knorm-batch: given alone, the fixed budget your runs use (every candidate keeps N tokens "
+                   "of each document, so the compression measured is each document's tokens / N); with --ratio, a "
+                   "cap on it.")
+@click.option("--ratio", type=click.FloatRange(min=1.5), default=None,
+              help=f"As in knorm-batch: every candidate keeps each document's tokens / R (at most --budget when "
+                   f"given).  [default: {DEFAULT_RATIO:g} when no --budget is given]")
 @click.option("--task", type=click.Choice(TUNE_TASKS), default="both", show_default=True,
               help="What the layout is chosen for: summarize (summary fidelity), retrieve (pass keys) or both.")
 @click.option("--job", hidden=True, expose_value=False, callback=_refusal(TUNE_JOB_HINT))
@@ -998,6 +999,8 @@ def tune_command(docs: Optional[str], model: str, context_field: str, budget: Op
     Without DOCS it measures the long sections of CPython's pydoc_data.topics.
     Exit status: 0 done, 2 usage error (before any measurement), 130 interrupted.
     """
+    if ratio is None and budget is None:
+        ratio = DEFAULT_RATIO
     sweep = _sweep_ratios(sweep_ratios) if sweep_ratios else \
         SWEEP_RATIOS if target_fidelity is not None or target_keys is not None else ()
     names = _tune_arms(arms, quick)
@@ -1006,8 +1009,9 @@ def tune_command(docs: Optional[str], model: str, context_field: str, budget: Op
         loaded, tokenizer = get_model(model)
     except (BatchUsageError, ValueError) as e:
         raise UsageFailure(str(e)) from None
-    lengths = _tune_lengths(tokenizer, documents, doc_tokens, budget)
-    at = f"your runs' budget {budget} (about {sum(lengths) / len(lengths) / budget:.1f}x)" if budget else f"{ratio:g}x"
+    lengths = _tune_lengths(tokenizer, documents, doc_tokens, None if ratio is not None else budget)
+    at = (f"your runs' budget {budget} (about {sum(lengths) / len(lengths) / budget:.1f}x)" if ratio is None
+          else f"{ratio:g}x" + (f" capped at {budget} tokens" if budget is not None else ""))
     click.echo(f"knorm-tune: {len(names)} candidates on {len(documents)} document(s) of about "
                f"{sum(lengths) // len(lengths)} tokens at {at}, task {task}", err=True)
     try:

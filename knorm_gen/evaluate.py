@@ -133,13 +133,14 @@ def answer_nll(model, caches: list, prompt_ids: Sequence[int], answer_ids: Seque
 
 class Evaluator:
     """The three tasks for one model: ``arms`` maps a name to :class:`EvictionConfig` layout
-    fields; every arm's budget is a case's document tokens over ``ratio``."""
+    fields; every arm's budget is a case's document tokens over ``ratio``, at most ``cap``."""
 
     def __init__(self, model: Any, tokenizer: Any, arms: dict[str, dict], ratio: float = 4.0,
-                 log: Callable[[str], None] = print, step: int = 512, modes: Sequence[str] = ("ctq",)):
+                 log: Callable[[str], None] = print, step: int = 512, modes: Sequence[str] = ("ctq",),
+                 cap: Optional[int] = None):
         self.model, self.tok = model, as_tokenizer(tokenizer)
         self.modes = tuple(modes)
-        self.arms, self.ratio, self.log, self.step = arms, ratio, log, step
+        self.arms, self.ratio, self.cap, self.log, self.step = arms, ratio, cap, log, step
         self.chat = has_chat_template(self.tok)
         support = model_support(model)
         self.n_layers, self.full_layers = support.n_layers, support.full_layers
@@ -153,9 +154,9 @@ class Evaluator:
 
     def budget_for(self, spans: Any, n_ids: int) -> int:
         """The budget of the document ``spans`` mark in a prompt of ``n_ids`` tokens at this
-        ratio: the product's own (:func:`~knorm_gen.config.row_budget`, as ``--ratio`` gives it;
-        no spans: the whole prompt is the document)."""
-        return row_budget(self.ratio, None, EvictionConfig.n_sink, spans or ((0, n_ids),), n_ids)
+        ratio, at most ``cap``: the product's own (:func:`~knorm_gen.config.row_budget`, as
+        ``--ratio`` with ``--budget`` gives it; no spans: the whole prompt is the document)."""
+        return row_budget(self.ratio, self.cap, EvictionConfig.n_sink, spans or ((0, n_ids),), n_ids)
 
     def caches(self, arm: str, budget: Optional[int], spans=ALL_EVICTABLE, ids: Optional[Sequence[int]] = None,
                questions: Sequence[Sequence[int]] = ()) -> list:

@@ -194,9 +194,9 @@ def separation_note(rows: Iterable[dict], summary: dict[str, dict], ranked: Sequ
 
 class BudgetEvaluator(Evaluator):
     """An :class:`~knorm_gen.evaluate.Evaluator` whose arms keep ``budget`` tokens of every
-    case, as ``--budget`` runs a job: the compression measured is each document's
+    case, as ``--budget`` alone runs a job: the compression measured is each document's
     tokens / ``budget``, the job's own (an Evaluator at a ratio gives each document its
-    tokens / ratio, as ``--ratio`` runs a job)."""
+    tokens / ratio, capped by ``--budget`` where given, as ``--ratio`` runs a job)."""
 
     def __init__(self, model: Any, tokenizer: Any, arms: dict[str, dict], budget: int, **kwargs: Any):
         super().__init__(model, tokenizer, arms, **kwargs)
@@ -208,10 +208,11 @@ class BudgetEvaluator(Evaluator):
 
 def job_evaluator(model: Any, tok: Any, arms: dict[str, dict], *, ratio: Optional[float], budget: Optional[int],
                   log: Callable[[str], None]) -> Evaluator:
-    """The evaluator of a job run at ``budget`` tokens per document, or at ``ratio``."""
-    if budget is not None:
+    """The evaluator of a job run as ``knorm-batch`` runs it: at ``ratio`` capped by ``budget``,
+    or at a fixed ``budget`` without a ratio."""
+    if ratio is None:
         return BudgetEvaluator(model, tok, arms, budget, log=log, modes=TUNE_MODES)
-    return Evaluator(model, tok, arms, ratio=ratio, log=log, modes=TUNE_MODES)
+    return Evaluator(model, tok, arms, ratio=ratio, cap=budget, log=log, modes=TUNE_MODES)
 
 
 def measured_compression(rows: Iterable[dict]) -> dict[str, float]:
@@ -234,8 +235,8 @@ def tune(model: Any, tokenizer: Any, docs: Sequence[Doc], *, ratio: Optional[flo
     model and choose one for ``job``: a record with the table, the chosen layout and why.
 
     Each document is measured at its own length (cut above ``doc_tokens``) at the job's
-    compression: with ``budget`` every arm keeps that many tokens of each document, else
-    each document's tokens / ``ratio``. Each document is one case (fidelity, a pass key
+    compression, as ``knorm-batch`` runs it: each document's tokens / ``ratio``, at most
+    ``budget``; without a ratio every arm keeps ``budget`` tokens of each document. Each document is one case (fidelity, a pass key
     inside it and perplexity from one prefill per arm); each filler one more, as long
     as the documents on average. Every task is measured whatever the job: the job only
     weighs them. ``sweep``: compression ratios at which the chosen layout is measured
@@ -259,7 +260,7 @@ def tune(model: Any, tokenizer: Any, docs: Sequence[Doc], *, ratio: Optional[flo
     compression = measured_compression(rows)
     record.update(model_identity=model_identity(model), job=job, docs=[d.name for d in docs], fillers=list(fillers),
                   ratio=sum(compression.values()) / len(compression) if compression else ratio,
-                  budget=budget if budget is not None else _mean_budget(rows), compression=compression, rows=rows,
+                  budget=budget if ratio is None else _mean_budget(rows), compression=compression, rows=rows,
                   sweep=None)
     if sweep:
         record["sweep"] = _sweep(model, tok, record, evaluator, cases, sweep, targets, progress, log)

@@ -19,11 +19,11 @@ def _context(n_words: int) -> str:
     return " ".join(WORDS[i % len(WORDS)] for i in range(n_words)) + "."
 
 
-@pytest.mark.parametrize("ratio", [4.0, 2.5])
-def test_the_harness_gives_every_document_the_budget_the_product_runs(tiny_model_dir, ratio):
+@pytest.mark.parametrize("ratio, cap", [(4.0, None), (2.5, None), (4.0, 40)])
+def test_the_harness_gives_every_document_the_budget_the_product_runs(tiny_model_dir, ratio, cap):
     model, tok = load_model(str(tiny_model_dir))
-    evaluator = Evaluator(model, tok, {"random": CANDIDATES["random"]}, ratio=ratio)
-    resolved = EvictionConfig(ratio=ratio).for_model(model)
+    evaluator = Evaluator(model, tok, {"random": CANDIDATES["random"]}, ratio=ratio, cap=cap)
+    resolved = EvictionConfig(ratio=ratio, budget=cap).for_model(model)
     for n_words in (1, 5, 20, 31, 64, 65, 150, 333):
         context = _context(n_words)
         harness = evaluator.ctq_case(context)[3]
@@ -33,6 +33,7 @@ def test_the_harness_gives_every_document_the_budget_the_product_runs(tiny_model
         doc = sum(b - a for a, b in request.spans)
         outside = sum(1 for i in range(EvictionConfig.n_sink) if not any(a <= i < b for a, b in request.spans))
         want = max(MIN_RATIO_BUDGET, math.ceil(doc / ratio) + outside)
+        want = want if cap is None else min(want, cap)
         assert product == {want}, n_words
         assert harness == want, n_words
 

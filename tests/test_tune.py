@@ -584,7 +584,9 @@ def test_a_ctq_pass_key_is_asked_after_the_context_as_mlx_lm_would_answer_it_wit
     prefix, q_ids, spans, budget = evaluator.ctq_case(text)
     whole = tok.apply_chat_template([{"role": "user", "content": text + DEFAULT_QUESTION_SEPARATOR + KEY_QUESTION}],
                                     add_generation_prompt=True)
-    assert prefix + q_ids == list(whole) and budget == math.ceil(sum(b - a for a, b in spans) / 4)
+    # the budget as the product's: a quarter of the document, the template's four sinks before it on top
+    assert prefix + q_ids == list(whole) and spans[0][0] >= 4
+    assert budget == math.ceil(sum(b - a for a, b in spans) / 4) + 4
     cache = make_prompt_cache(model)
     for start in range(0, len(prefix), evaluator.step):  # the same blocks, so the same floats on any BLAS path
         model(mx.array(prefix[start : start + evaluator.step])[None], cache=cache)
