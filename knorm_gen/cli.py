@@ -1,7 +1,7 @@
 """Command line: ``knorm-batch``, ``knorm-generate`` (and ``knorm-probe``). Parse options, call the library.
 
 The eviction and generation options are generated from the fields of
-:class:`~knorm_gen.config.EvictionConfig` and :class:`~knorm_gen.config.GenerationConfig`
+:class:`~knorm_gen.eviction.config.EvictionConfig` and :class:`~knorm_gen.eviction.config.GenerationConfig`
 (name, default and help come from each field), and job files use the same names
 in their ``[eviction]`` and ``[generation]`` tables; ``tests/test_cli.py`` checks
 that every field is reachable from both surfaces. mlx_lm's names work too:
@@ -12,7 +12,7 @@ with the name of the settings that bound the cache here (``--budget``, ``--ratio
 A field's help speaks of rows and batches in ``knorm-batch``; ``knorm-generate``
 takes its own wording from :data:`GENERATE_HELP`. ``knorm-generate``'s prompt
 cache (``--save-prompt-cache``, ``--prompt-cache-file``) lives in
-:mod:`knorm_gen.prompt_cache`.
+:mod:`knorm_gen.generation.prompt_cache`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import click
 from click.core import ParameterSource
 
 from . import __version__
-from .admission import parse_size
-from .calibrate import settle
-from .config import (
+from .generation.admission import parse_size
+from .tuning.calibrate import settle
+from .eviction.config import (
     DEFAULT_RATIO,
     EVICTION_FIELDS,
     GENERATION_FIELDS,
@@ -46,9 +46,9 @@ from .config import (
     ResolvedEviction,
     make_configs,
 )
-from .evaluate import TUNE_FILLERS
-from .generate import stream_with_eviction
-from .job import (
+from .tuning.evaluate import TUNE_FILLERS
+from .generation.generate import stream_with_eviction
+from .batch.job import (
     EXIT_INTERNAL_ERROR,
     EXIT_IO_ERROR,
     EXIT_INTERRUPTED,
@@ -60,14 +60,14 @@ from .job import (
     prepare_tokenizer,
     run_batch,
 )
-from .support import describe_model
-from .layouts import CANDIDATES, describe
-from .memory import kv_memory
-from .models import get_model
-from .sink import budget_warning, silence_stdout
-from .sources import DEFAULT_GLOBS, PDF_EXTRA
-from .tune import DOC_TOKENS, QUICK_ARMS, QUICK_DOCS, SWEEP_RATIOS, TUNE_ARMS, TUNE_DOCS, bounded, tune
-from .tunings import save_tuning
+from .models.support import describe_model
+from .eviction.layouts import CANDIDATES, describe
+from .eviction.memory import kv_memory
+from .models.load import get_model
+from .batch.sink import budget_warning, silence_stdout
+from .batch.sources import DEFAULT_GLOBS, PDF_EXTRA
+from .tuning.tune import DOC_TOKENS, QUICK_ARMS, QUICK_DOCS, SWEEP_RATIOS, TUNE_ARMS, TUNE_DOCS, bounded, tune
+from .generation.tunings import save_tuning
 
 RUN_KEYS = ("input", "output", "model", "batch_size", "stats_log", "summary_json", "texts", "limit", "max_kv_memory",
             "extra_eos_tokens", "chat_template_config", "adapter_path", "trust_remote_code", "glob", "calibrate")
@@ -532,7 +532,7 @@ def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optio
 
 
 def _run(ctx: click.Context, settings: dict, options: BatchOptions, quiet: bool) -> None:
-    from .distributed import PeerLost, group as launch_group
+    from .batch.distributed import PeerLost, group as launch_group
 
     group = launch_group()  # one process unless started by mlx.launch
     try:
@@ -711,7 +711,7 @@ def _layout(model: Any, tokenizer: Any, eviction: EvictionConfig, preset: Option
     """``eviction`` with --preset auto's layout (the model's saved tuning, said on stderr)."""
     if preset != "auto":
         return eviction
-    from .tunings import auto_config, run_ratio
+    from .generation.tunings import auto_config, run_ratio
 
     try:
         eviction, note = auto_config(model, eviction, auto_layout({**opts, "preset": preset}),
@@ -769,8 +769,8 @@ def _stream_text(ctx: click.Context, pieces: Any) -> Any:
 def _save_document(ctx: click.Context, text: str, path: str, questions: tuple, loaded: tuple,
                    eviction: EvictionConfig, generation: GenerationConfig, run: BatchOptions, verbose: bool) -> None:
     """--save-prompt-cache: the document compressed and saved; its numbers on stderr."""
-    from .engine import needs_probe
-    from .prompt_cache import save_document
+    from .generation.engine import needs_probe
+    from .generation.prompt_cache import save_document
 
     model, tokenizer = loaded
     resolved = _for_model(eviction, model)
@@ -797,7 +797,7 @@ def _save_document(ctx: click.Context, text: str, path: str, questions: tuple, l
 
 def save_line(report: Any) -> str:
     """The line --save-prompt-cache ends with: what was saved, and how to ask it."""
-    from .memory import mib
+    from .eviction.memory import mib
 
     return (f"knorm-generate: saved {report.path} ({mib(report.file_bytes)}): a document of {report.document_tokens} "
             f"tokens ({report.prompt_tokens} with the template), {report.tokens_kept} positions kept per compressed "
@@ -810,7 +810,7 @@ def _ask_saved_document(ctx: click.Context, question: str, path: str, run: Batch
                         verbose: bool, opts: dict) -> None:
     """--prompt-cache-file: ``question`` answered after the saved document, from the file's
     caches pinned; the run's settings checked against the file's first."""
-    from .prompt_cache import DOCUMENT_SETTINGS, PromptCacheError, read_document, resolved_for, stream_answer_from
+    from .generation.prompt_cache import DOCUMENT_SETTINGS, PromptCacheError, read_document, resolved_for, stream_answer_from
 
     given = _given(ctx, opts)
     try:
@@ -844,7 +844,7 @@ def _saved_run(ctx: click.Context, saved: Any, run: BatchOptions) -> BatchOption
     the command line gives others: UsageFailure names them and the fix."""
     from dataclasses import replace
 
-    from .prompt_cache import model_id
+    from .generation.prompt_cache import model_id
 
     differ = []
     if ctx.get_parameter_source("model") == ParameterSource.COMMANDLINE and model_id(run.model) != saved.model:
@@ -866,7 +866,7 @@ def _saved_run(ctx: click.Context, saved: Any, run: BatchOptions) -> BatchOption
 def _check_saved_settings(saved: Any, preset: Optional[str], given: dict) -> None:
     """UsageFailure when the eviction or document settings the command line gives differ
     from those the document was saved with (naming each, the file's value and the fix)."""
-    from .prompt_cache import describe_differences, eviction_differences, generation_differences
+    from .generation.prompt_cache import describe_differences, eviction_differences, generation_differences
 
     if preset == "auto":
         raise UsageFailure(f"--preset auto chooses a layout before a document is compressed, and {saved.path} keeps "
@@ -884,7 +884,7 @@ def _check_saved_settings(saved: Any, preset: Optional[str], given: dict) -> Non
 
 def saved_document_line(saved: Any) -> str:
     """-v with --prompt-cache-file: what the file holds."""
-    from .memory import cache_stats, mib
+    from .eviction.memory import cache_stats, mib
 
     stats = cache_stats(saved.caches)
     asked = ("compressed for " + "; ".join(repr(q) for q in saved.questions) if saved.questions
@@ -920,10 +920,10 @@ def prompt_memory_line(memory: Any, pinned: str) -> str:
 def stats_line(result: Any, memory: Any = None, pinned: str = "the template, question and answer",
                saved_tokens: int = 0) -> str:
     """``knorm-generate``'s one line of numbers after the text. With ``memory`` (the run's
-    :class:`~knorm_gen.memory.KVMemory`) and a ceiling, the KV kept is split into what the
+    :class:`~knorm_gen.eviction.memory.KVMemory`) and a ceiling, the KV kept is split into what the
     budget holds and the pinned tokens (``pinned``: what they are) held on top of it. With
     ``saved_tokens`` (a saved document's), the prompt rate is of the tokens read after it."""
-    from .memory import mib
+    from .eviction.memory import mib
 
     read = (f" ({result.prompt_tokens - saved_tokens} read now after {saved_tokens} saved)" if saved_tokens else "")
     line = (f"knorm-generate: prompt {result.prompt_tokens} tokens{read}, kept {result.tokens_kept} of "
@@ -1100,8 +1100,8 @@ def _tune_documents(path: Optional[str], field: str, limit: int) -> list:
     """The documents to tune on: DOCS' rows, or the shipped corpus. UsageFailure names a bad file."""
     import json
 
-    from .corpus import pydoc_sections
-    from .evaluate import Doc
+    from .tuning.corpus import pydoc_sections
+    from .tuning.evaluate import Doc
 
     if path is None:
         shipped = [Doc(f"pydoc:{name}", text) for name, text in pydoc_sections(min_chars=9000)[:limit]]
@@ -1213,8 +1213,8 @@ def _tune_plot(record: dict, path: Path) -> None:
 
 
 def probe_command() -> None:
-    """``knorm-probe``: the key-norm / attention probe (lives in :mod:`knorm_gen.probe`)."""
-    from .probe import probe_cli
+    """``knorm-probe``: the key-norm / attention probe (lives in :mod:`knorm_gen.tuning.probe`)."""
+    from .tuning.probe import probe_cli
 
     probe_cli()
 

@@ -5,12 +5,12 @@ import math
 
 import pytest
 
-from knorm_gen.config import MIN_RATIO_BUDGET, EvictionConfig, GenerationConfig
-from knorm_gen.evaluate import KEY_QUESTION, Evaluator
-from knorm_gen.generate import question_request
-from knorm_gen.layouts import CANDIDATES
-from knorm_gen.memory import kv_memory
-from knorm_gen.models import load_model
+from knorm_gen.eviction.config import MIN_RATIO_BUDGET, EvictionConfig, GenerationConfig
+from knorm_gen.tuning.evaluate import KEY_QUESTION, Evaluator
+from knorm_gen.generation.generate import question_request
+from knorm_gen.eviction.layouts import CANDIDATES
+from knorm_gen.eviction.memory import kv_memory
+from knorm_gen.models.load import load_model
 
 WORDS = "harbor log ships storms gulls pier noon tide rope sail".split()
 

@@ -11,10 +11,10 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 
 from knorm_gen import EvictionConfig, L2NormKVCache, cache_stats, make_eviction_cache
-from knorm_gen.cache import BatchL2NormKVCache
-from knorm_gen.mlx_compat import own_layer_masks
-from knorm_gen.rules import RULES
-from knorm_gen.selection import PAD
+from knorm_gen.eviction.cache import BatchL2NormKVCache
+from knorm_gen.platform.mlx_compat import own_layer_masks
+from knorm_gen.eviction.rules import RULES
+from knorm_gen.eviction.selection import PAD
 
 RUNNING = {name for name, rule in RULES.items() if rule.needs == "running"}
 
@@ -411,7 +411,7 @@ def test_layer_budgets_override_single_layers(tiny_model):
 def test_layer_keep_sets_the_rule_of_single_layers(tiny_model, tmp_path):
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-    from knorm_gen.config import parse_layer_keep
+    from knorm_gen.eviction.config import parse_layer_keep
 
     config = EvictionConfig(budget=8, keep="blend", early_keep="blend", layer_keep=parse_layer_keep("0:low,-1:leverage"))
     caches = make_eviction_cache(tiny_model, config)
@@ -434,7 +434,7 @@ def test_layer_keep_sets_the_rule_of_single_layers(tiny_model, tmp_path):
 
 
 def test_the_default_bounds_every_layer_with_the_question_rule_and_the_blend_pairs_with_early_leverage():
-    from knorm_gen.memory import kv_memory
+    from knorm_gen.eviction.memory import kv_memory
 
     config = EvictionConfig(budget=8)
     assert (config.keep, config.question_score, config.carry, config.early_keep, config.coverage,
@@ -460,8 +460,8 @@ def test_the_default_bounds_every_layer_with_the_question_rule_and_the_blend_pai
 
 
 def test_skip_layers_none_is_the_first_30_percent(tiny_model):
-    from knorm_gen.config import early_layers
-    from knorm_gen.memory import kv_memory
+    from knorm_gen.eviction.config import early_layers
+    from knorm_gen.eviction.memory import kv_memory
 
     assert early_layers(30) == tuple(range(9))
     assert early_layers(3) == (0, 1) and early_layers(1) == (0,)
@@ -482,7 +482,7 @@ def test_skip_layers_none_is_the_first_30_percent(tiny_model):
 
 
 def test_early_factor_bounds_every_layer():
-    from knorm_gen.memory import kv_memory
+    from knorm_gen.eviction.memory import kv_memory
 
     config = EvictionConfig(keep="low", budget=8, early_factor=8)
     resolved = config.resolved(30)
@@ -544,7 +544,7 @@ def test_keep_random_size_protection_and_seed():
 
 
 def test_mlx_lm_cache_protocol_is_complete():
-    from knorm_gen.mlx_compat import missing_mlx_lm_protocol
+    from knorm_gen.platform.mlx_compat import missing_mlx_lm_protocol
 
     missing = missing_mlx_lm_protocol()
     assert not missing, "the installed mlx_lm lacks: " + "; ".join(missing)
@@ -797,7 +797,7 @@ def test_running_state_survives_save_load_and_copy_of_a_batch(tmp_path, keep):
     # Saved mid-run (decode holes in place, rows of different lengths) and loaded, or
     # copied: each continues exactly as the original, and the original is untouched
     # by what its copy is fed.
-    from knorm_gen.cache import copy_caches
+    from knorm_gen.eviction.cache import copy_caches
 
     rng = np.random.default_rng(21)
     rows = [distinct_norm_keys(60, rng, heads=HEADS, dim=DIM) for _ in range(2)]

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from knorm_gen import records as rec
+from knorm_gen.batch import records as rec
 from knorm_gen.cli import batch_command, generate_command
-from knorm_gen.models import get_model
-from knorm_gen.rows import content_digest
+from knorm_gen.models.load import get_model
+from knorm_gen.batch.rows import content_digest
 
 REPO = Path(__file__).resolve().parents[1]
 LONG = "Tell a long story about the sea. " * 8  # about 270 tokens with the tiny model's byte tokenizer
@@ -88,7 +88,7 @@ def test_dash_h_works_on_every_command(capsys):
     for command in (batch_command, generate_command):
         result = CliRunner().invoke(command, ["-h"])
         assert result.exit_code == 0 and "Usage:" in result.stdout and "--max-kv-size" not in result.stdout
-    from knorm_gen.probe import probe_cli
+    from knorm_gen.tuning.probe import probe_cli
 
     with pytest.raises(SystemExit) as stop:
         probe_cli(["-h"])
@@ -365,8 +365,8 @@ def test_records_written_under_the_old_rule_names_resume_as_done(tmp_path, tiny)
     # its config) counts as done: the same settings, another spelling. Its line is kept as it was written.
     import json
 
-    from knorm_gen.records import fingerprint
-    from knorm_gen.rows import content_digest
+    from knorm_gen.batch.records import fingerprint
+    from knorm_gen.batch.rows import content_digest
 
     rows = [{"id": "r0", "prompt": "Row number 0."}, {"id": "r1", "prompt": "Row number 1."}]
     inp, out = write_rows(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
@@ -408,7 +408,7 @@ def test_generate_help_and_verbose_lines_speak_of_one_prompt(tiny_model_dir):
     # knorm-batch keeps the fields' own words
     from dataclasses import fields
 
-    from knorm_gen.config import GenerationConfig
+    from knorm_gen.eviction.config import GenerationConfig
 
     own = {f.name: f.metadata["help"] for f in fields(GenerationConfig)}
     batch = {p.name: p.help for p in batch_command.params}
@@ -422,7 +422,7 @@ def test_generate_help_and_verbose_lines_speak_of_one_prompt(tiny_model_dir):
 
 def test_generate_stats_line_splits_the_kv_kept_into_budget_and_pinned_tokens(tiny_model_dir):
     from knorm_gen import EvictionConfig, generate_with_eviction, kv_memory
-    from knorm_gen.memory import mib
+    from knorm_gen.eviction.memory import mib
 
     args = ["--model", tiny_model_dir, "--budget", "64", "-m", "4"]
     result = generate("-p", LONG, *args, "-v")
@@ -514,7 +514,7 @@ def test_each_command_says_what_it_does_in_its_first_sentence(capsys):
     first = _help(tune_command).split("\n\n")[1].strip()
     assert first.startswith("Measure which eviction layout") and first.count(". ") == 0, first
     assert _help(batch_command).split("\n\n")[1].strip().startswith("Run a model with KV-cache eviction over every row")
-    from knorm_gen.probe import probe_cli
+    from knorm_gen.tuning.probe import probe_cli
 
     with pytest.raises(SystemExit):
         probe_cli(["-h"])

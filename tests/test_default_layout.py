@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from knorm_gen import EvictionConfig, GenerationConfig, load_model
-from knorm_gen.cache import EvictionKVCache
-from knorm_gen.corpus import pydoc_sections
-from knorm_gen.engine import BatchEngine, prefill
-from knorm_gen.generate import prompt_request, question_request
+from knorm_gen.eviction.cache import EvictionKVCache
+from knorm_gen.tuning.corpus import pydoc_sections
+from knorm_gen.generation.engine import BatchEngine, prefill
+from knorm_gen.generation.generate import prompt_request, question_request
 
 DATA = Path(__file__).resolve().parent / "data"
 SECTIONS = ("with", "objects", "identifiers")

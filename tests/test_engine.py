@@ -12,12 +12,12 @@ import pytest
 
 from knorm_gen import (EvictionConfig, GenerationResult, L2NormKVCache, generate_batch_with_eviction,
                        make_eviction_cache, stream_batch_with_eviction)
-from knorm_gen.mlx_compat import own_layer_masks
-from knorm_gen.engine import BatchEngine
-from knorm_gen.config import PRESETS, GenerationConfig
-from knorm_gen.prompts import encode_prompt
-from knorm_gen.corpus import text_of_tokens
-from knorm_gen.models import load_model
+from knorm_gen.platform.mlx_compat import own_layer_masks
+from knorm_gen.generation.engine import BatchEngine
+from knorm_gen.eviction.config import PRESETS, GenerationConfig
+from knorm_gen.generation.prompts import encode_prompt
+from knorm_gen.tuning.corpus import text_of_tokens
+from knorm_gen.models.load import load_model
 
 from .conftest import document_span, greedy_with_gaps, kept_after
 
@@ -172,7 +172,7 @@ def test_probed_rows_prefilled_together_answer_as_prefilled_alone(mt):
     # The question rule probes each prompt first; its rows may then be prefilled one at a time before they
     # join the batch, or together in the batch's padded prefill (probes and carry per row in one batch
     # cache). Each row's answer is the same either way, up to a near-tie of logits (DESIGN.md section 4).
-    from knorm_gen.generate import prompt_request
+    from knorm_gen.generation.generate import prompt_request
 
     from .conftest import assert_greedy_agree
 

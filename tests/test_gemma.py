@@ -17,9 +17,9 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from knorm_gen import EvictionConfig, L2NormKVCache, generate_with_eviction, make_eviction_cache
-from knorm_gen import gguf as kgguf
-from knorm_gen.corpus import text_of_tokens
-from knorm_gen.models import GEMMA_270M, load_model
+from knorm_gen.models import gguf as kgguf
+from knorm_gen.tuning.corpus import text_of_tokens
+from knorm_gen.models.load import GEMMA_270M, load_model
 
 BOS = 2
 GLOBAL_LAYERS = [5, 11, 17]  # every sixth layer attends globally; the other 15 slide over 512 tokens

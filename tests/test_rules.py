@@ -1,4 +1,4 @@
-"""Every rule of :data:`knorm_gen.rules.RULES` through the shared selection machinery, and
+"""Every rule of :data:`knorm_gen.eviction.rules.RULES` through the shared selection machinery, and
 carry: one parametrised suite over every rule and setting (:func:`rule_cases`), so a rule
 added to the registry is covered the day it is added."""
 
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from knorm_gen import EvictionConfig, L2NormKVCache
-from knorm_gen.cache import EvictionKVCache, make_eviction_cache, pin_caches, set_probe
-from knorm_gen.rules import RULES
-from knorm_gen.rules.question import BEST_REACH, PER_QUERY_REACH, READINGS, Probe, ProbeBatch, Question
-from knorm_gen.selection import pack_ranks, rank_positions
+from knorm_gen.eviction.cache import EvictionKVCache, make_eviction_cache, pin_caches, set_probe
+from knorm_gen.eviction.rules import RULES
+from knorm_gen.eviction.rules.question import BEST_REACH, PER_QUERY_REACH, READINGS, Probe, ProbeBatch, Question
+from knorm_gen.eviction.selection import pack_ranks, rank_positions
 
 from .conftest import LeverageReference, numpy_anchored_score, numpy_running_kept, random_tokens
 from .test_cache import distinct_norm_keys, feed_keys, kept_positions
@@ -299,7 +299,7 @@ def test_keydiff_keeps_the_outliers_of_a_cluster():
 
 
 def test_presets_are_layouts_the_fields_override():
-    from knorm_gen.config import PRESETS, make_configs
+    from knorm_gen.eviction.config import PRESETS, make_configs
 
     paper, _ = make_configs(preset="paper", budget=64)
     assert (paper.keep, paper.skip_layers, paper.budget) == ("low", (0, 1), 64)
