@@ -6,7 +6,7 @@ from .platform.runtime import preload_blas as _preload_blas
 
 _preload_blas()
 
-from .eviction.cache import (BatchEvictionKVCache, BatchL2NormKVCache, EvictionKVCache, L2NormKVCache,  # noqa: E402
+from .eviction.cache import (BatchEvictionKVCache, EvictionKVCache,  # noqa: E402
                     make_eviction_cache, probe_caches)
 from .eviction.config import KEEP_MODES, PRESETS, EvictionConfig, GenerationConfig, ResolvedEviction  # noqa: E402
 from .generation.generate import (  # noqa: E402
@@ -30,7 +30,6 @@ __all__ = [
     "KEEP_MODES",
     "PRESETS",
     "BatchEvictionKVCache",
-    "BatchL2NormKVCache",
     "EvictionKVCache",
     "ModelSupport",
     "NoTuningError",
@@ -40,7 +39,6 @@ __all__ = [
     "GenerationConfig",
     "GenerationResult",
     "KVMemory",
-    "L2NormKVCache",
     "PromptTooLongError",
     "ResolvedEviction",
     "answer_questions",

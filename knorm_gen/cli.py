@@ -33,6 +33,7 @@ from click.core import ParameterSource
 from . import __version__
 from .generation.admission import parse_size
 from .tuning.calibrate import settle
+from .eviction.legacy import current_settings
 from .eviction.config import (
     DEFAULT_RATIO,
     EVICTION_FIELDS,
@@ -341,7 +342,7 @@ def load_job(path: str) -> dict:
     variables are not), and relative paths resolve against the file's folder.
     Config values in text form (``budget = "none"``, ``skip_layers = "0-8"``) are
     parsed by their field's parser and every value is checked by the configs."""
-    flat = _flatten_job(path, _read_toml(path))
+    flat = current_settings(_flatten_job(path, _read_toml(path)))
     _check_run_keys(path, flat)
     try:
         for key, value in flat.items():

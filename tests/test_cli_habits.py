@@ -361,11 +361,16 @@ def test_generate_is_a_console_script():
 
 
 def test_records_written_under_the_old_rule_names_resume_as_done(tmp_path, tiny):
-    # A record written when the default was spelled keep="question_both_carry" (no question_score or carry in
-    # its config) counts as done: the same settings, another spelling. Its line is kept as it was written.
+    # A record written when the default was spelled by an old rule name (no question_score or carry in its
+    # config) counts as done: the same settings, another spelling. Its line is kept as it was written.
     import json
 
     from knorm_gen.batch.records import fingerprint
+    from knorm_gen.eviction.legacy import OLD_RULE_NAMES
+
+    def old_name(score, carry):
+        return next(n for n, f in OLD_RULE_NAMES.items() if (f["question_score"], f["carry"]) == (score, carry))
+
     from knorm_gen.batch.rows import content_digest
 
     rows = [{"id": "r0", "prompt": "Row number 0."}, {"id": "r1", "prompt": "Row number 1."}]
@@ -373,7 +378,7 @@ def test_records_written_under_the_old_rule_names_resume_as_done(tmp_path, tiny)
     assert invoke(inp, "-o", out, *tiny, "-q").exit_code == 0
     first, second = [json.loads(line) for line in out.read_text().splitlines()]
     old_config = {k: v for k, v in first["config"].items() if k not in ("question_score", "carry")}
-    old_config["keep"] = "question_both_carry"  # as version 0.12 wrote it, by hand
+    old_config["keep"] = old_name("mean", 0.25)  # today's default as version 0.12 wrote it, by hand
     first.update(config=old_config, completion="written by an older version",
                  fingerprint=fingerprint(content_digest(rows[0]), old_config, first["model"]))
     out.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
@@ -381,11 +386,11 @@ def test_records_written_under_the_old_rule_names_resume_as_done(tmp_path, tiny)
     result = invoke(inp, "-o", out, *tiny, "-q")
     assert result.exit_code == 0 and out.read_text() == before  # nothing ran again, nothing was refused
     # a record of other settings is still refused, naming the difference
-    old_config["keep"] = "question_carry"  # the best reading, carrying: not today's default
+    old_config["keep"] = old_name("best", 0.25)  # the best reading, carrying: not today's default
     first.update(config=old_config, fingerprint=fingerprint(content_digest(rows[0]), old_config, first["model"]))
     out.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
     result = invoke(inp, "-o", out, *tiny, "-q")
-    assert result.exit_code == 2 and "keep: question_carry -> question" in result.stderr
+    assert result.exit_code == 2 and f"keep: {old_name('best', 0.25)} -> question" in result.stderr
 
 
 # ---------------------------------------------------------------- issue 56: a newcomer's review of the commands

@@ -1,5 +1,5 @@
 """Today's default layout, expressed with the question rule's settings, keeps exactly the
-positions the default kept when it was a rule name of its own (``question_both_carry``):
+positions the default kept when it was a rule name of its own (an old name the translator reads):
 positions saved from the product path of commit 7857212 on fixed prompts, both models
 (tests/data/default_kept_*.json; Gemma 3's test is in test_gemma.py, beside its fixture)."""
 

@@ -211,11 +211,14 @@ def test_no_tuning_names_the_command_and_a_saved_one_is_used(tiny_model_dir):
     # one saved before early_keep existed was measured with its rule in every layer, and keeps it
     saved(model, "intrinsic", layout=dict(keep="blend", skip_layers=(), coverage=0.25, recent_share=0.5))
     assert tuned_config(model).resolved(10).layer_keep is None
-    # a plain keep="question" saved before its settings was the best reading without carry; the old rule
-    # names are read by EvictionConfig itself
+    # a plain keep="question" saved before its settings was the best reading without carry; an old rule
+    # name is read by the translator
     saved(model, "question", layout=dict(keep="question", skip_layers=()))
     assert (tuned_config(model).question_score, tuned_config(model).carry) == ("best", 0.0)
-    saved(model, "default", layout=dict(keep="question_both_carry", skip_layers=(), recent_share=0.25))
+    from knorm_gen.eviction.legacy import OLD_RULE_NAMES
+
+    old = next(n for n, f in OLD_RULE_NAMES.items() if (f["question_score"], f["carry"]) == ("mean", 0.25))
+    saved(model, "default", layout=dict(keep=old, skip_layers=(), recent_share=0.25))
     config = tuned_config(model)
     assert (config.keep, config.question_score, config.carry) == ("question", "mean", 0.25)
 
@@ -376,7 +379,7 @@ def test_the_tune_table_keeps_its_columns_with_long_layout_names():
 
     entry = dict(recovered=0.77, ppl_ratio=1.2, wins_vs_random=3, fidelity_docs=4, keys_of_full=5, full_keys=5,
                  filler_keys_of_full=4, filler_full_keys=4, vs_random=0.031, vs_random_interval=(-0.01, 0.07))
-    names = ["question_per_query_carry_rec25", "low", "random", "full"]
+    names = ["a_long_candidate_name_of_30_chars", "low", "random", "full"]
     record = dict(table={n: entry for n in names}, chosen="low", layout={"keep": "low"}, why="a test")
     lines = tune_table(record).splitlines()
     end = lines[0].index("fidelity") + len("fidelity")

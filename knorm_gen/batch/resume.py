@@ -277,7 +277,7 @@ class Wanted:
     configs: dict[str, dict] = field(default_factory=dict)
     model: Optional[str] = None
     rerun_edited: bool = False  # a row edited since its record runs again (a folder's file), not refused
-    # fingerprints of the same rows and settings as older versions spelled them (config.legacy_spelling),
+    # fingerprints of the same rows and settings as older versions spelled them (legacy.older_spelling),
     # mapped to today's: a record that carries one is done
     aliases: dict[str, str] = field(default_factory=dict)
 

@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 from . import records as rec
 from ..generation.admission import KVLimit, KVMemoryExceeded
-from ..eviction.config import (EvictionConfig, GenerationConfig, ResolvedEviction, RowsConfig, legacy_spelling, make_configs,
+from ..eviction.legacy import older_spelling
+from ..eviction.config import (EvictionConfig, GenerationConfig, ResolvedEviction, RowsConfig, make_configs,
                      settings_dict)
 from ..generation.engine import Outcome, Request, run_alone, run_jobs
 from ..generation.generate import answer_in_pieces, prompt_request, question_request
@@ -87,10 +88,10 @@ class RowRunner:
 
     def legacy_fingerprint(self, row: Row) -> Optional[str]:
         """The fingerprint a record of this row carried when these settings had an older
-        spelling (:func:`~knorm_gen.eviction.config.legacy_spelling`), or None."""
+        spelling (:func:`~knorm_gen.eviction.legacy.older_spelling`), or None."""
         if self.fingerprint(row) is None:
             return None
-        old = legacy_spelling(self.settings_for(row.overrides).config)
+        old = older_spelling(self.settings_for(row.overrides).config)
         return None if old is None else rec.fingerprint(row.digest, old, self.model_spec)
 
     # ---- records ----------------------------------------------------------------------

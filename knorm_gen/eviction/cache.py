@@ -33,6 +33,7 @@ import mlx.nn as nn
 from . import quant
 from .carry import CarryGroup, extracted_group, merged_group
 from .config import CACHE_BUDGET, EvictionConfig, ResolvedEviction, validate_eviction_args
+from .legacy import OLD_CACHE_CLASSES, old_row_state, saved_rule
 from ..platform.mlx_compat import _BaseCache, create_attention_mask, is_full_attention, make_prompt_cache, register_cache_class
 from .quant import Stored
 from .rules import Rule, make_rule
@@ -271,12 +272,10 @@ class BatchEvictionKVCache(_BaseCache):
 
     @state.setter
     def state(self, v):
-        if len(v) != 6:
-            raise ValueError("this batch eviction cache was saved without its rows' counts and settings, so it "
-                             "cannot be restored; extract() its rows into single-row caches before saving")
-        keys, values, rank, free, rule_state, meta = v
-        meta = json.loads(meta)
-        keep, score, carry = legacy_rule(meta["keep"], meta.get("question_score"), meta.get("carry"))
+        # Named settings beside the arrays; a row saved as positional slots is read by the translator.
+        keys, values, rank, free, rule_state, meta = (tuple(v[:5]) + (json.loads(v[5]),) if len(v) == 6 and
+                                                      isinstance(v[5], str) else old_row_state(v))
+        keep, score, carry = saved_rule(meta["keep"], meta.get("question_score"), meta.get("carry"))
         self._settings_from(meta["n_sink"], keep, meta["coverage"], meta.get("kv_bits"),
                             meta.get("kv_group_size", EvictionConfig.kv_group_size), score, carry,
                             meta.get("spread", 0.0), meta.get("salt", 0))
@@ -676,50 +675,6 @@ class EvictionKVCache(BatchEvictionKVCache):
         # the rows held is exact; "causal" is bottom-right aligned by MLX.
         return create_attention_mask(N, offset=self.count, return_array=return_array, window_size=window_size)
 
-    @property
-    def state(self):
-        # Slot 10 was ``pinned`` (0/1) before spans existed: kept so older saved caches load.
-        return (self.keys, self.values, self.rank, self.free, self.count, self.offset, self.budget, self.n_sink,
-                self.recent, self.keep, 0, self.state_of_rule, json.dumps(self.row_spans), self.coverage,
-                self.kv_bits or 0, self.kv_group_size, self.question_score, self.carry, self.spread, self.salt)
-
-    @state.setter
-    def state(self, v):
-        keys, values, rank, free, count, offset, budget, n_sink, recent, keep, pinned = v[:11]
-        bits = (int(v[14]) or None) if len(v) > 14 else None
-        group = int(v[15]) if len(v) > 15 else EvictionConfig.kv_group_size
-        keep, score, carry = legacy_rule(keep, v[16] if len(v) > 16 else None, v[17] if len(v) > 17 else None)
-        self._settings_from(n_sink, keep, float(v[13]) if len(v) > 13 else 0.0, bits, group, score, carry,
-                            float(v[18]) if len(v) > 18 else 0.0, int(v[19]) if len(v) > 19 else 0)
-        self.budgets, self.recents = [int(budget)], [int(recent)]
-        self.counts, self.seen = [int(count)], [int(offset)]
-        self.holes, self.probes, self.tokens = [free is not None], [None], [object()]
-        if len(v) > 12:
-            self.spans = [check_spans(json.loads(v[12]))]
-        else:  # saved before spans: pinned meant every token after the budget was kept
-            self.spans = [pin_from(ALL_EVICTABLE, int(offset) - max(int(count) - int(budget), 0)) if pinned
-                          else ALL_EVICTABLE]
-        self._empty_state()
-        self.keys, self.values = quant.as_stored(keys), quant.as_stored(values)
-        self.rank, self.free = rank, free
-        self.state_of_rule = v[11] if len(v) > 11 else None
-
-    @property
-    def meta_state(self) -> tuple[str, ...]:
-        return tuple(str(x) for x in (self.count, self.offset, self.budget, self.n_sink, self.recent, self.keep,
-                                      json.dumps(self.row_spans), self.coverage, self.kv_bits or 0,
-                                      self.kv_group_size, self.question_score, self.carry, self.spread, self.salt))
-
-    @meta_state.setter
-    def meta_state(self, v: Sequence[str]) -> None:
-        count, offset, budget, n_sink, recent, keep, spans, coverage = v[:8]
-        bits, group = ((int(v[8]) or None), int(v[9])) if len(v) > 9 else (self.kv_bits, self.kv_group_size)
-        keep, score, carry = legacy_rule(keep, v[10] if len(v) > 10 else None, v[11] if len(v) > 11 else None)
-        self._settings_from(int(n_sink), keep, float(coverage), bits, group, score, carry,
-                            float(v[12]) if len(v) > 12 else 0.0, int(v[13]) if len(v) > 13 else 0)
-        self.counts, self.seen, self.budgets, self.recents = [int(count)], [int(offset)], [int(budget)], [int(recent)]
-        self.spans = [check_spans(json.loads(spans))]
-
     def is_trimmable(self) -> bool:
         # Trimming is only honest while nothing has been evicted: an evicted token cannot be brought back.
         return self.count == self.offset and not self.holes[0]
@@ -832,25 +787,10 @@ def _as_list(x: Any) -> list:
     return list(x)
 
 
-def legacy_rule(keep: str, question_score: Optional[str], carry: Any) -> tuple[str, str, float]:
-    """``(keep, question_score, carry)`` of a saved cache or record: the rule names before
-    the question rule's settings were fields (``question_both_carry`` and its siblings)
-    map to ``keep="question"`` with the settings they meant."""
-    from .config import LEGACY_RULES
-
-    if keep in LEGACY_RULES:
-        old = LEGACY_RULES[keep]
-        return old["keep"], old["question_score"], old["carry"]
-    if keep == "question" and question_score is None:  # saved before question_score: the best reading
-        return keep, "best", 0.0
-    return keep, question_score or "mean", float(carry or 0.0)
-
-
-# The names before the cache held more than one rule: saved prompt caches name them.
-L2NormKVCache = EvictionKVCache
-BatchL2NormKVCache = BatchEvictionKVCache
-register_cache_class(EvictionKVCache, "L2NormKVCache")
-register_cache_class(BatchEvictionKVCache, "BatchL2NormKVCache")
+# A saved prompt cache may name the classes by their old names (legacy.OLD_CACHE_CLASSES).
+_CLASSES = {cls.__name__: cls for cls in (EvictionKVCache, BatchEvictionKVCache)}
+for _old, _new in OLD_CACHE_CLASSES.items():
+    register_cache_class(_CLASSES[_new], _old)
 
 
 def make_eviction_cache(model: nn.Module, config: Union[EvictionConfig, ResolvedEviction, None] = None,

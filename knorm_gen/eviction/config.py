@@ -22,17 +22,6 @@ from .rules import KEEP_MODES, RULES
 from .rules.question import READINGS
 from .spans import Spans, span_positions
 
-LEGACY_RULES: dict[str, dict[str, Any]] = {
-    "question_per_query": dict(keep="question", question_score="per_query", carry=0.0),
-    "question_carry": dict(keep="question", question_score="best", carry=0.25),
-    "question_per_query_carry": dict(keep="question", question_score="per_query", carry=0.25),
-    "question_both_carry": dict(keep="question", question_score="mean", carry=0.25),
-}
-"""Rule names that saved records, job files, resume fingerprints and tunings may hold from
-before the question rule's reading and carried share were settings: each is ``keep="question"``
-with the settings below. They are read, not offered. (A saved ``keep="question"`` without a
-``question_score`` means the best reading without carry.)"""
-
 EARLY_FRACTION = 0.3
 """The share of leading layers ``skip_layers=None`` (``--preset retrieval``) leaves
 uncompressed. On the embedded model, compressing layers 2-8 with keep-low broke passkey
@@ -70,10 +59,8 @@ def auto_recent(budget: int, share: float = OLD_RECENT_SHARE, n_sink: int = 0) -
 
 
 def check_rule(rule: Any, field: str = "keep", auto: bool = False) -> str:
-    """``rule`` as a rule name of :data:`KEEP_MODES` (or ``"auto"`` where ``auto``; a name of
-    :data:`LEGACY_RULES` as ``question``), or ValueError naming ``field``."""
-    if rule in LEGACY_RULES:
-        return "question"
+    """``rule`` as a rule name of :data:`KEEP_MODES` (or ``"auto"`` where ``auto``), or
+    ValueError naming ``field``."""
     if rule not in (("auto",) if auto else ()) + KEEP_MODES:
         raise ValueError(f"{field} must be {'auto or ' if auto else ''}one of {', '.join(KEEP_MODES)}; got {rule!r}")
     return rule
@@ -271,7 +258,7 @@ def parse_layer_keep(value: Any) -> Optional[dict[int, str]]:
     out: dict[int, str] = {}
     for part in _budget_parts(value):
         layers, colon, rule = part.rpartition(":")
-        if not colon or (rule.strip() not in KEEP_MODES and rule.strip() not in LEGACY_RULES):
+        if not colon or rule.strip() not in KEEP_MODES:
             raise ValueError(f"layer_keep must look like '0-5:low,20:leverage' (layers:rule, a rule of "
                              f"{', '.join(KEEP_MODES)}), got {value!r}")
         for layer in _layer_list(layers, "layer_keep"):
@@ -433,7 +420,6 @@ class EvictionConfig:
 
     def __post_init__(self):
         self._settle_budget()
-        self._read_legacy_rules()
         if self.skip_layers is not None:
             if isinstance(self.skip_layers, (str, bytes)) or not hasattr(self.skip_layers, "__iter__"):
                 raise ValueError(f"skip_layers must be a list of layer indices, got {self.skip_layers!r}")
@@ -512,18 +498,6 @@ class EvictionConfig:
             object.__setattr__(self, "budget", None)
         if self.ratio is UNSET:
             object.__setattr__(self, "ratio", None if given else DEFAULT_RATIO)
-
-    def _read_legacy_rules(self) -> None:
-        """A rule name of :data:`LEGACY_RULES` (a saved record's, job file's or tuning's) as
-        ``keep="question"`` with the reading and carried share it meant."""
-        if self.keep in LEGACY_RULES:
-            for name, value in LEGACY_RULES[self.keep].items():
-                object.__setattr__(self, name, value)
-        if self.early_keep in LEGACY_RULES:
-            object.__setattr__(self, "early_keep", "question")
-        if isinstance(self.layer_keep, Mapping) and any(r in LEGACY_RULES for r in self.layer_keep.values()):
-            object.__setattr__(self, "layer_keep", {k: "question" if r in LEGACY_RULES else r
-                                                    for k, r in self.layer_keep.items()})
 
     def rules(self) -> set[str]:
         """Every rule some layer may run (``keep``, the early layers', ``layer_keep``'s)."""
@@ -910,24 +884,6 @@ with the best reading, no carry and the recent eighth. ``intrinsic``: no probe: 
 the first 30% of the full-attention layers, the blend in the rest, a quarter of each budget
 spread evenly, the recent half, every layer bounded. ``auto``: the layout ``knorm-tune``
 saved for the model (the default without one)."""
-
-
-def legacy_spelling(config: dict) -> Optional[dict]:
-    """A record's ``config`` as it was written before the question rule's reading and carried
-    share were settings (``keep="question_both_carry"`` and its siblings; a plain ``question``
-    meant the best reading without carry), or None when no older spelling means the same:
-    resume reads records written so as the same settings (:data:`LEGACY_RULES`)."""
-    if config.get("keep") != "question" or "question_score" not in config or "carry" not in config:
-        return None
-    wanted = {"question_score": config["question_score"], "carry": config["carry"]}
-    names = [name for name, fields in LEGACY_RULES.items()
-             if {k: fields[k] for k in wanted} == wanted] or (["question"] if wanted == {"question_score": "best",
-                                                                                      "carry": 0.0} else [])
-    if not names:
-        return None
-    old = {k: v for k, v in config.items() if k not in wanted}
-    old["keep"] = names[0]
-    return old
 
 
 def make_configs(eviction: Optional[EvictionConfig] = None, generation: Optional[GenerationConfig] = None,

@@ -4,8 +4,8 @@ and ``knorm-batch``).
 
 This runs on mlx_lm's own ``BatchGenerator`` (continuous batching: each step
 decodes the running rows, then prefills a chunk of waiting ones). The eviction
-caches join its batch protocol: ``L2NormKVCache.merge`` builds a
-:class:`~knorm_gen.eviction.cache.BatchL2NormKVCache`. The one thing the generator cannot
+caches join its batch protocol: ``EvictionKVCache.merge`` builds a
+:class:`~knorm_gen.eviction.cache.BatchEvictionKVCache`. The one thing the generator cannot
 host unaided is the model's shared full-attention mask, so every step runs inside
 :func:`~knorm_gen.platform.mlx_compat.own_layer_masks`.
 

@@ -27,6 +27,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from ..eviction.cache import copy_caches, make_eviction_cache, pin_caches, probe_caches
+from ..eviction.legacy import current_settings
 from ..eviction.config import EvictionConfig, GenerationConfig, ResolvedEviction, settings_dict
 from .engine import stream_ids, prefill
 from ..eviction.memory import cache_stats
@@ -212,7 +213,7 @@ def _eviction_fields(eviction: EvictionConfig) -> dict:
 def _eviction_config(saved: dict) -> EvictionConfig:
     """:func:`_eviction_fields` read back."""
     values = {k: ({int(i): v for i, v in value.items()} if isinstance(value, dict) else value)
-              for k, value in saved.items() if k in EvictionConfig.__dataclass_fields__}
+              for k, value in current_settings(saved).items() if k in EvictionConfig.__dataclass_fields__}
     return EvictionConfig(**values)
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..eviction.config import OLD_RECENT_SHARE, EvictionConfig
+from ..eviction.legacy import current_settings
 from ..eviction.layouts import describe
 from .prompts import as_tokenizer
 from ..platform.runtime import cache_root
@@ -91,10 +92,10 @@ def saved_layout(saved: dict) -> dict:
     field it lacks read as what it meant when it was saved: before ``recent_share``, the
     window every layout had then (:data:`~knorm_gen.eviction.config.OLD_RECENT_SHARE`); before
     ``early_keep``, its rule in every layer; before ``question_score`` and ``carry``, a
-    plain ``keep="question"`` was the best reading without carry (the old rule names,
-    ``question_carry`` and the like, are read by EvictionConfig itself); before
-    ``spread``, none."""
-    layout = dict(saved["layout"])
+    plain ``keep="question"`` was the best reading without carry (an old rule name,
+    ``question_carry`` and the like, as :func:`~knorm_gen.eviction.legacy.current_settings`
+    reads it); before ``spread``, none."""
+    layout = current_settings(saved["layout"])
     old_rule = "blend" if layout.get("keep") == "blend" else "auto"  # auto: the blend alone gets leverage
     then = {"recent_share": OLD_RECENT_SHARE, "early_keep": old_rule, "spread": 0.0}
     if layout.get("keep") == "question":
