@@ -463,6 +463,7 @@ def test_layer_keep_sets_the_rule_of_single_layers(tiny_model, tmp_path):
 
 def test_the_default_bounds_every_layer_with_the_question_rule_and_the_blend_pairs_with_early_leverage():
     from knorm_gen.eviction.memory import kv_memory
+    from knorm_gen.eviction.rules.question import Question
 
     config = EvictionConfig(budget=8)
     assert (config.keep, config.question_score, config.carry, config.early_keep, config.coverage,
@@ -470,8 +471,8 @@ def test_the_default_bounds_every_layer_with_the_question_rule_and_the_blend_pai
     model = tiny_llama(layers=10)
     caches = make_eviction_cache(model, config)
     # every layer the question rule, no coverage, a quarter of the budget recent: int(0.25 * 8)
-    assert all(isinstance(c, EvictionKVCache) and c.keep == "question" and c.question_score == "mean"
-               and c.carry == 0.25 and c.coverage == 0.0 and c.recent == 2 for c in caches)
+    assert all(isinstance(c, EvictionKVCache) and c.rule == Question(reading="mean", carry=0.25)
+               and c.coverage == 0.0 and c.recent == 2 for c in caches)
     # --preset intrinsic: 30% of 10 layers, counted by hand, take leverage, the other seven the blend
     intrinsic = make_eviction_cache(model, EvictionConfig(budget=8, keep="blend", coverage=0.25))
     assert [c.keep for c in intrinsic] == ["leverage"] * 3 + ["blend"] * 7 and intrinsic[0].coverage == 0.25

@@ -36,7 +36,7 @@ from .config import CACHE_BUDGET, EvictionConfig, ResolvedEviction, validate_evi
 from .legacy import OLD_CACHE_CLASSES, old_row_state, saved_rule
 from ..platform.mlx_compat import _BaseCache, create_attention_mask, is_full_attention, make_prompt_cache, register_cache_class
 from .quant import Stored
-from .rules import Rule, make_rule
+from .rules import RULES, Rule, make_rule
 from .rules.question import REPEAT_PENALTY, Probe, ProbeBatch, make_probe
 from .selection import (PAD, PROTECTED, block_ranks, capacity, carry_slots, carry_tier, carry_values, cover_slots,
                         evict_key, rank_positions, rescore, spread_tier)
@@ -67,17 +67,18 @@ class BatchEvictionKVCache(_BaseCache):
     per_row_mask = True  # rows differ in what they hold: see mlx_compat.own_layer_masks
 
     def __init__(self, budget: int = CACHE_BUDGET, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
-                 keep: str = "low", coverage: float = 0.0, batch_size: int = 0,
+                 keep: Union[str, Rule] = "low", coverage: float = 0.0, batch_size: int = 0,
                  spans: Optional[Sequence[Spans]] = None, kv_bits: Optional[int] = None,
-                 kv_group_size: int = EvictionConfig.kv_group_size, *, question_score: str = "mean",
-                 carry: float = 0.0, spread: float = 0.0, salt: int = 0, budgets: Optional[Sequence[int]] = None,
-                 recents: Optional[Sequence[int]] = None):
+                 kv_group_size: int = EvictionConfig.kv_group_size, *, spread: float = 0.0, salt: int = 0,
+                 budgets: Optional[Sequence[int]] = None, recents: Optional[Sequence[int]] = None,
+                 **rule_settings: Any):
         rows = batch_size if spans is None else len(spans)
         budgets = [budget] * rows if budgets is None else [int(b) for b in budgets]
         recents = [recent] * rows if recents is None else [int(r) for r in recents]
+        rule = _rule(keep, rule_settings)
         for b, r in zip(budgets, recents):
-            validate_eviction_args(b, n_sink, r, keep, coverage)
-        self._settings_from(n_sink, keep, coverage, kv_bits, kv_group_size, question_score, carry, spread, salt)
+            validate_eviction_args(b, n_sink, r, rule.name, coverage)
+        self._settings_from(n_sink, rule, coverage, kv_bits, kv_group_size, spread, salt)
         self.budgets, self.recents = budgets, recents
         self.spans = [ALL_EVICTABLE] * rows if spans is None else [check_spans(s) for s in spans]
         self.counts, self.seen, self.holes = [0] * rows, [0] * rows, [False] * rows
@@ -85,12 +86,10 @@ class BatchEvictionKVCache(_BaseCache):
         self.tokens: list = [object() for _ in range(rows)]  # each row's identity while it is held
         self._empty_state()
 
-    def _settings_from(self, n_sink, keep, coverage, kv_bits, kv_group_size, question_score, carry,
-                       spread=0.0, salt=0) -> None:
-        self.n_sink, self.keep, self.coverage = int(n_sink), keep, float(coverage)
-        self.question_score, self.carry = question_score, float(carry)
+    def _settings_from(self, n_sink, rule: Rule, coverage, kv_bits, kv_group_size, spread=0.0, salt=0) -> None:
+        self.rule: Rule = rule  # the rule with its own settings; the cache never asks which it is
+        self.n_sink, self.keep, self.coverage = int(n_sink), rule.name, float(coverage)
         self.spread, self.salt = float(spread), int(salt)  # salt: the layer, so each layer draws its own
-        self.rule: Rule = make_rule(keep, question_score=question_score)
         quant.check_kv_quantization(kv_bits, kv_group_size)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         # mlx_lm's attention takes the quantized path for a cache that has ``bits``
@@ -257,14 +256,13 @@ class BatchEvictionKVCache(_BaseCache):
         return out
 
     def _settings_args(self) -> tuple:
-        return (self.n_sink, self.keep, self.coverage, self.kv_bits, self.kv_group_size, self.question_score,
-                self.carry, self.spread, self.salt)
+        return (self.n_sink, self.rule, self.coverage, self.kv_bits, self.kv_group_size, self.spread, self.salt)
 
     # ---- state -------------------------------------------------------------------
     @property
     def state(self):
-        meta = {"n_sink": self.n_sink, "keep": self.keep, "question_score": self.question_score,
-                "carry": self.carry, "spread": self.spread, "salt": self.salt, "coverage": self.coverage,
+        meta = {"n_sink": self.n_sink, "keep": self.keep, **self.rule.settings(), "spread": self.spread,
+                "salt": self.salt, "coverage": self.coverage,
                 "kv_bits": self.kv_bits,
                 "kv_group_size": self.kv_group_size, "budgets": self.budgets, "recents": self.recents,
                 "counts": self.counts, "seen": self.seen, "holes": self.holes, "spans": self.spans}
@@ -275,10 +273,9 @@ class BatchEvictionKVCache(_BaseCache):
         # Named settings beside the arrays; a row saved as positional slots is read by the translator.
         keys, values, rank, free, rule_state, meta = (tuple(v[:5]) + (json.loads(v[5]),) if len(v) == 6 and
                                                       isinstance(v[5], str) else old_row_state(v))
-        keep, score, carry = saved_rule(meta["keep"], meta.get("question_score"), meta.get("carry"))
-        self._settings_from(meta["n_sink"], keep, meta["coverage"], meta.get("kv_bits"),
-                            meta.get("kv_group_size", EvictionConfig.kv_group_size), score, carry,
-                            meta.get("spread", 0.0), meta.get("salt", 0))
+        self._settings_from(meta["n_sink"], make_rule(**saved_rule(meta)), meta["coverage"], meta.get("kv_bits"),
+                            meta.get("kv_group_size", EvictionConfig.kv_group_size), meta.get("spread", 0.0),
+                            meta.get("salt", 0))
         rows = len(meta["counts"])
         self.budgets = list(meta.get("budgets") or [meta["budget"]] * rows)
         self.recents = list(meta.get("recents") or [meta["recent"]] * rows)
@@ -321,7 +318,7 @@ class BatchEvictionKVCache(_BaseCache):
     @property
     def carrying(self) -> bool:
         """Whether this layer keeps a share of its slots for what earlier layers scored best."""
-        return self.carry > 0 and self.rule.needs == "probe" and self.bounded
+        return self.rule.carry > 0 and self.rule.needs == "probe" and self.bounded
 
     def set_probe(self, probes: Sequence[Optional[Probe]], group: Optional[CarryGroup] = None) -> None:
         """Give each row its probe (``keep="question"``) and, when this layer carries, the
@@ -375,7 +372,7 @@ class BatchEvictionKVCache(_BaseCache):
         key = evict_key(rank, self.seen, self.recents, covers if self.coverage else ())
         carry = self.group.carried(self) if self.group is not None else None
         if carry is not None:  # a carrying layer after the first: the earlier ones' best positions next
-            slots = [carry_slots(b, self.carry, self.n_sink + r + c)
+            slots = [carry_slots(b, self.rule.carry, self.n_sink + r + c)
                      for b, r, c in zip(self.budgets, self.recents, covers)]
             key = carry_tier(key, carry, slots)
         if self.spread:  # then a random choice of each head's own
@@ -630,12 +627,11 @@ class EvictionKVCache(BatchEvictionKVCache):
     per_row_mask = False
 
     def __init__(self, budget: int = CACHE_BUDGET, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
-                 keep: str = "low", coverage: float = 0.0, spans: Spans = ALL_EVICTABLE,
+                 keep: Union[str, Rule] = "low", coverage: float = 0.0, spans: Spans = ALL_EVICTABLE,
                  kv_bits: Optional[int] = None, kv_group_size: int = EvictionConfig.kv_group_size, *,
-                 question_score: str = "mean", carry: float = 0.0, spread: float = 0.0, salt: int = 0):
+                 spread: float = 0.0, salt: int = 0, **rule_settings: Any):
         super().__init__(budget, n_sink, recent, keep, coverage, spans=[spans], kv_bits=kv_bits,
-                         kv_group_size=kv_group_size, question_score=question_score, carry=carry, spread=spread,
-                         salt=salt)
+                         kv_group_size=kv_group_size, spread=spread, salt=salt, **rule_settings)
 
     def _sync_offset(self) -> None:
         pass  # offset is a property of the one row
@@ -771,8 +767,20 @@ class EvictionKVCache(BatchEvictionKVCache):
         return quant.take(keys, order), quant.take(values, order), mx.take_along_axis(pos, order, axis=-1)
 
 
+def _rule(keep: Union[str, Rule], settings: dict) -> Rule:
+    """``keep`` as a rule object: given as one, or by name with its settings by their keys."""
+    if isinstance(keep, Rule) and settings:
+        raise TypeError(f"keep={keep!r} is a rule with its settings: leave out {', '.join(settings)}")
+    known = {key for cls in RULES.values() for key in cls.setting_fields()}
+    unknown = set(settings) - known
+    if unknown:
+        raise TypeError(f"unknown rule setting(s) {', '.join(sorted(unknown))}; the rules' settings are "
+                        f"{', '.join(sorted(known))}")
+    return make_rule(keep, **settings)
+
+
 def _settings(c: BatchEvictionKVCache) -> tuple:
-    return (c.n_sink, c.keep, c.rule, c.coverage, c.carry, c.spread, c.salt, c.kv_bits, c.kv_group_size)
+    return (c.n_sink, c.rule, c.coverage, c.spread, c.salt, c.kv_bits, c.kv_group_size)
 
 
 def _pad_board(board: Optional[mx.array], rows: int, width: int) -> mx.array:
@@ -819,9 +827,8 @@ def make_eviction_cache(model: nn.Module, config: Union[EvictionConfig, Resolved
 
     def layer(i, c, plan):
         if plan is not None:
-            return EvictionKVCache(plan[0], config.n_sink, plan[1], config.keep_of(i), config.coverage, spans, bits,
-                                   group, question_score=config.question_score, carry=config.carry,
-                                   spread=config.spread, salt=i)
+            return EvictionKVCache(plan[0], config.n_sink, plan[1], config.rule_of(i), config.coverage, spans, bits,
+                                   group, spread=config.spread, salt=i)
         if bits and is_full_attention(c):
             return EvictionKVCache(UNBOUNDED, 0, 0, "low", 0.0, ALL_EVICTABLE, bits, group)
         return c

@@ -18,8 +18,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from .quant import KV_GROUP_SIZES, check_head_dims, check_kv_quantization
-from .rules import KEEP_MODES, RULES
-from .rules.question import READINGS
+from .rules import KEEP_MODES, RULES, Rule, make_rule, setting_fields
 from .spans import Spans, span_positions
 
 EARLY_FRACTION = 0.3
@@ -333,7 +332,18 @@ CACHE_BUDGET = 512
 document kept (chosen by the rule in docs/history.md, measured in docs/results.md)."""
 
 
+def _with_rule_settings(cls: type) -> type:
+    """A config field per rule setting (each rule's dataclass fields, :mod:`.rules`): a rule's
+    settings reach the options, job files, records and fingerprints with no line here."""
+    for key, (_, f) in setting_fields().items():
+        cls.__annotations__[key] = f.type
+        setattr(cls, key, _setting(f.default, f.metadata["help"], choices=f.metadata["choices"],
+                                   metavar=f.metadata["metavar"]))
+    return cls
+
+
 @dataclass(frozen=True)
+@_with_rule_settings
 class EvictionConfig:
     """How every compressed layer evicts, as the user states it. ``budget=None``
     means no eviction; ``recent=None`` means :func:`auto_recent` (``recent_share`` of
@@ -375,13 +385,6 @@ class EvictionConfig:
     keep: str = _setting("question", "The rule that ranks a layer's document keys, keeping: "
                          + "; ".join(f"{name} = {rule.summary}" for name, rule in RULES.items()) + ".",
                          choices=KEEP_MODES)
-    question_score: str = _setting(
-        "mean", "How the question rule reads a key's score from the probe: best = the best query's attention "
-        "beyond the sentences around it; per_query = each query's beyond its own neighbourhood; mean = the mean "
-        "of the two.", choices=READINGS)
-    carry: float = _setting(
-        0.25, "Share of each question-rule layer's rule slots (after the first such layer) kept for the positions "
-        "the earlier layers scored best (0 = none).", metavar="SHARE")
     spread: float = _setting(
         0.0, "Share of each layer's rule slots kept for positions drawn at random, each KV head and layer its own "
         "(0 = none): what random eviction keeps, beside what the rule keeps.", metavar="SHARE")
@@ -428,13 +431,8 @@ class EvictionConfig:
         if self.recent is not None and not _is_int(self.recent):
             raise ValueError(f"recent must be an integer, got {self.recent!r}")
         object.__setattr__(self, "coverage", check_coverage(self.coverage))
-        object.__setattr__(self, "carry", _check_share(self.carry, "carry", 0.25))
         object.__setattr__(self, "spread", _check_share(self.spread, "spread", 0.25))
-        if self.carry + self.spread >= 1:
-            raise ValueError(f"carry + spread must be below 1 (got {self.carry} + {self.spread}): nothing would be left "
-                             f"for the rule to choose")
-        if self.question_score not in READINGS:
-            raise ValueError(f"question_score must be one of {', '.join(READINGS)}; got {self.question_score!r}")
+        self._check_rule_settings()
         object.__setattr__(self, "recent_share", check_recent_share(self.recent_share))
         check_rule(self.early_keep, "early_keep", auto=True)
         check_kv_quantization(self.kv_bits, self.kv_group_size)
@@ -461,6 +459,32 @@ class EvictionConfig:
             if self.skip_layers not in (None, ()) or self.layer_budgets is not None:
                 raise ValueError("early_factor sets the layer layout itself: leave skip_layers and layer_budgets "
                                  "unset, or drop early_factor")
+
+    def _check_rule_settings(self) -> None:
+        """``keep`` given as a rule object sets its settings; every rule checks its own
+        (:class:`~knorm_gen.eviction.rules.base.Rule`), and what a rule carries plus ``spread``
+        must leave slots to the rule."""
+        if isinstance(self.keep, Rule):
+            for key, value in self.keep.settings().items():
+                object.__setattr__(self, key, value)
+            object.__setattr__(self, "keep", self.keep.name)
+        check_rule(self.keep)
+        values = {key: getattr(self, key) for key in setting_fields()}
+        for cls in RULES.values():
+            for key, value in cls.from_settings(values).settings().items():
+                object.__setattr__(self, key, value)
+        carried = max((self.rule(r).carry for r in self.rules() if r in RULES), default=0.0)  # others: refused below
+        if carried + self.spread >= 1:
+            raise ValueError(f"carry + spread must be below 1 (got {carried} + {self.spread}): nothing would be left "
+                             f"for the rule to choose")
+
+    def rule_settings(self) -> tuple[tuple[str, Any], ...]:
+        """Every rule's settings as ``(key, value)`` pairs (what the caches build rules from)."""
+        return tuple((key, getattr(self, key)) for key in setting_fields())
+
+    def rule(self, name: Optional[str] = None) -> Rule:
+        """The rule ``name`` (default ``keep``) with this config's settings."""
+        return make_rule(name or self.keep, **dict(self.rule_settings()))
 
     def _check_layer_maps(self) -> None:
         """``layer_budgets`` and ``layer_keep``: layer index to a budget or a rule, each checked."""
@@ -557,8 +581,7 @@ class EvictionConfig:
         rules = rules or None
         return ResolvedEviction(self.budget, self.n_sink, base_recent, self.keep, tuple(skip), budgets or None,
                                 n_layers, full, tuple(plan), self.coverage, self.kv_bits, self.kv_group_size, rules,
-                                self.question_score, self.carry, self.spread, self.ratio, self.recent_share,
-                                self.recent)
+                                self.rule_settings(), self.spread, self.ratio, self.recent_share, self.recent)
 
     def to_dict(self) -> dict:
         """JSON-ready: ``skip_layers`` as a list (or None); ``layer_budgets`` and
@@ -587,9 +610,10 @@ class EvictionConfig:
             d.pop("layer_keep")
         else:
             d["layer_keep"] = {str(k): v for k, v in sorted(self.layer_keep.items())}
-        if "question" not in self.rules():  # the question rule's own settings mean nothing elsewhere
-            d.pop("question_score")
-            d.pop("carry")
+        used = self.rules()
+        for key, (rule, _) in setting_fields().items():  # a rule's own settings mean nothing where it does not run
+            if rule.name not in used:
+                d.pop(key)
         if not self.spread:
             d.pop("spread")
         return d
@@ -597,7 +621,7 @@ class EvictionConfig:
     def __hash__(self) -> int:
         return hash((self.budget, self.n_sink, self.recent, self.keep, self.skip_layers,
                      tuple(sorted((self.layer_budgets or {}).items())), self.early_factor, self.coverage,
-                     self.recent_share, self.early_rule(), self.question_score, self.carry, self.spread,
+                     self.recent_share, self.early_rule(), self.rule_settings(), self.spread,
                      self.kv_bits, self.kv_group_size, tuple(sorted((self.layer_keep or {}).items()))))
 
 
@@ -622,8 +646,7 @@ class ResolvedEviction:
     kv_bits: Optional[int] = None
     kv_group_size: int = KV_GROUP_SIZES[1]
     layer_keep: Optional[dict[int, str]] = None  # {layer: rule} where it is not ``keep``
-    question_score: str = "mean"
-    carry: float = 0.0
+    rule_settings: tuple[tuple[str, Any], ...] = ()  # every rule's settings by key (EvictionConfig.rule_settings)
     spread: float = 0.0
     ratio: Optional[float] = None
     recent_share: float = OLD_RECENT_SHARE
@@ -668,6 +691,10 @@ class ResolvedEviction:
         """The rules of the compressed layers."""
         return {self.keep_of(i) for i, plan in enumerate(self.layers) if plan is not None} or {self.keep}
 
+    def rule_of(self, layer: int) -> Rule:
+        """The rule object of ``layer``, with its settings."""
+        return make_rule(self.keep_of(layer), **dict(self.rule_settings))
+
     def to_dict(self) -> dict:
         """The ``config`` records and results report (the same keys as ever:
         ``budget, n_sink, recent, keep, skip_layers`` and ``layer_budgets`` when set)."""
@@ -681,8 +708,8 @@ class ResolvedEviction:
             d["kv_bits"], d["kv_group_size"] = self.kv_bits, self.kv_group_size
         if self.layer_keep:
             d["layer_keep"] = {str(k): v for k, v in sorted(self.layer_keep.items())}
-        if "question" in self.rules():
-            d["question_score"], d["carry"] = self.question_score, self.carry
+        for name in sorted(self.rules()):  # each rule that runs reports its own settings
+            d.update(make_rule(name, **dict(self.rule_settings)).settings())
         if self.spread:
             d["spread"] = self.spread
         if self.ratio is not None:  # each row's budget follows its document: the settings that decide it
@@ -693,7 +720,7 @@ class ResolvedEviction:
 
     def __hash__(self) -> int:
         return hash((self.n_sink, self.keep, self.layers, self.coverage, self.kv_bits, self.kv_group_size,
-                     tuple(sorted((self.layer_keep or {}).items())), self.question_score, self.carry, self.spread))
+                     tuple(sorted((self.layer_keep or {}).items())), self.rule_settings, self.spread))
 
 
 # ---- generation ----------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, Optional, Sequence
 
+from .rules import setting_fields
 from .spans import ALL_EVICTABLE, pin_from
 
 OLD_RULE_NAMES: dict[str, dict[str, Any]] = {
@@ -61,15 +62,15 @@ def older_spelling(config: dict) -> Optional[dict]:
     return old
 
 
-def saved_rule(keep: str, question_score: Optional[str], carry: Any) -> tuple[str, str, float]:
-    """``(keep, question_score, carry)`` of a saved cache: an old rule name as the settings it
-    meant; a ``question`` saved before ``question_score`` existed as the best reading."""
-    if keep in OLD_RULE_NAMES:
-        old = OLD_RULE_NAMES[keep]
-        return old["keep"], old["question_score"], old["carry"]
-    if keep == "question" and question_score is None:
-        return keep, "best", 0.0
-    return keep, question_score or "mean", float(carry or 0.0)
+def saved_rule(settings: Mapping[str, Any]) -> dict:
+    """The rule a saved cache's settings name, as :func:`~knorm_gen.eviction.rules.make_rule`
+    takes it (``keep`` and the rule's settings by key): an old rule name as the settings it
+    meant; a ``question`` saved before ``question_score`` existed as the best reading without
+    carry."""
+    out = current_settings({"keep": settings["keep"], **{k: v for k, v in settings.items() if k in setting_fields()}})
+    if out["keep"] == "question" and out.get("question_score") is None:
+        out.update(question_score="best", carry=0.0)
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def old_row_state(v: Sequence[Any]) -> tuple:

@@ -8,15 +8,18 @@ machinery they share is :mod:`knorm_gen.eviction.selection`.
 - :mod:`.question`: ``question``, the keys the job's instructions would attend to;
 - :mod:`.baselines`: ``random`` and ``recent`` (StreamingLLM).
 
-A new rule is one file here plus its line in :data:`RULES`; ``tests/test_rules.py``
-runs the shared tests over every entry.
+A new rule is one file here plus its line in :data:`RULES`; its settings are its dataclass
+fields (:func:`~knorm_gen.eviction.rules.base.setting`), which become config fields, options,
+job-file keys and record keys by themselves. ``tests/test_rules.py`` runs the shared tests
+over every entry; its numpy reference for the new rule is the third file.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import Field
+from typing import Any, Union
 
-from .base import Rule
+from .base import Rule, setting
 from .baselines import Random, Recent
 from .keydiff import Blend, KeyDiff
 from .leverage import Leverage
@@ -30,14 +33,15 @@ RULES: dict[str, type[Rule]] = {cls.name: cls for cls in (Low, High, Random, Rec
 KEEP_MODES = tuple(RULES)
 
 
-def make_rule(name: str, **settings: Any) -> Rule:
-    """The rule ``name`` with its own settings (``question_score`` for ``question``;
-    settings another rule does not take are ignored)."""
-    if name not in RULES:
-        raise ValueError(f"keep must be one of {', '.join(RULES)}; got {name!r}")
-    if name == Question.name:
-        return Question(settings.get("question_score", "mean"))
-    return RULES[name]()
+def make_rule(keep: Union[str, Rule], **settings: Any) -> Rule:
+    """The rule ``keep`` (a name of :data:`RULES`, or a rule object, returned as it is) with its
+    own settings taken from ``settings`` by their keys (``question_score=...``); keys of other
+    rules' settings are ignored."""
+    if isinstance(keep, Rule):
+        return keep
+    if keep not in RULES:
+        raise ValueError(f"keep must be one of {', '.join(RULES)}; got {keep!r}")
+    return RULES[keep].from_settings(settings)
 
 
 def rule_needs(name: str) -> str:
@@ -45,4 +49,9 @@ def rule_needs(name: str) -> str:
     return RULES[name].needs
 
 
-__all__ = ["KEEP_MODES", "RULES", "Rule", "make_rule", "rule_needs"]
+def setting_fields() -> dict[str, tuple[type[Rule], Field]]:
+    """Every rule's settings by their key: the rule that owns each and its field."""
+    return {key: (cls, f) for cls in RULES.values() for key, f in cls.setting_fields().items()}
+
+
+__all__ = ["KEEP_MODES", "RULES", "Rule", "make_rule", "rule_needs", "setting", "setting_fields"]

@@ -8,15 +8,26 @@ its entry in :data:`knorm_gen.eviction.rules.RULES`, and the shared tests
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional, Sequence
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 import mlx.core as mx
 
 
+def setting(default: Any, help: str, *, key: Optional[str] = None, choices: Optional[Sequence[Any]] = None,
+            metavar: Optional[str] = None) -> Any:
+    """A rule's setting: a dataclass field whose ``key`` (default ``<rule name>_<field>``) is
+    its name everywhere a setting is named: the config field, the command-line option
+    (``--key``), the job-file key, the record's ``config`` and so the fingerprint."""
+    return field(default=default, metadata={"help": help, "key": key, "choices": choices, "metavar": metavar})
+
+
+@dataclass(frozen=True, eq=True)
 class Rule:
     """A ranking rule. ``score(keys (B, H, N, D), positions (B, 1, N), state)`` gives one
-    float32 per token ``(B, H, N)``; **lower is kept first**. ``needs`` says what
-    ``state`` is:
+    float32 per token ``(B, H, N)``; **lower is kept first**. A rule's settings are its
+    dataclass fields (:func:`setting`); ``Question(reading="mean", carry=0.25)`` is a
+    rule with its settings. ``needs`` says what ``state`` is:
 
     - ``""``: nothing (None): the keys alone;
     - ``"running"``: state over every token the row has seen, kept by the cache with
@@ -26,19 +37,47 @@ class Rule:
       (:mod:`knorm_gen.eviction.rules.question`), fixed, so held keys are never re-scored.
 
     ``early``: the rule of the early layers under ``early_keep="auto"`` (None: this one).
+    ``carry``: the share of a layer's rule slots kept for the positions the layers before it
+    scored best (:mod:`knorm_gen.eviction.carry`); 0 for a rule that does not carry.
     """
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""  # what it keeps, in a few words: the command line's help lists it
     needs: ClassVar[str] = ""
     early: ClassVar[Optional[str]] = None
+    carry = 0.0  # unannotated, so a rule that carries declares it as one of its settings
 
     def score(self, keys: mx.array, positions: mx.array, state: Any = None) -> mx.array:
         raise NotImplementedError
 
+    @classmethod
+    def setting_fields(cls) -> dict[str, Field]:
+        """The rule's settings by their key (:func:`setting`)."""
+        return {f.metadata.get("key") or f"{cls.name}_{f.name}": f for f in fields(cls)}
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> "Rule":
+        """The rule with the settings ``settings`` holds under their keys (the rest: defaults)."""
+        return cls(**{f.name: settings[key] for key, f in cls.setting_fields().items() if key in settings})
+
     def settings(self) -> dict:
-        """The rule's own parameters, as config fields (empty for most rules)."""
-        return {}
+        """The rule's settings by their key: what a record's ``config`` holds for it."""
+        return {key: getattr(self, f.name) for key, f in self.setting_fields().items()}
+
+    def check_share(self, name: str, example: float = 0.25) -> None:
+        """Raise ValueError unless setting ``name`` is a share from 0 to below 1."""
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            key = next(k for k, f in self.setting_fields().items() if f.name == name)
+            raise ValueError(f"{key} must be a share from 0 to below 1 (e.g. {example}), got {value!r}")
+        object.__setattr__(self, name, float(value))
+
+    def check_choice(self, name: str) -> None:
+        """Raise ValueError unless setting ``name`` is one of its field's choices."""
+        key, f = next((k, f) for k, f in self.setting_fields().items() if f.name == name)
+        if getattr(self, name) not in f.metadata["choices"]:
+            raise ValueError(f"{key} must be one of {', '.join(map(str, f.metadata['choices']))}; "
+                             f"got {getattr(self, name)!r}")
 
     # running state (``needs == "running"``)
     def zeros(self, batch: int, heads: int, dim: int) -> mx.array:
@@ -50,16 +89,6 @@ class Rule:
 
     def reference(self, state: mx.array, seen: Sequence[int]) -> mx.array:
         return state
-
-    def __eq__(self, other: Any) -> bool:
-        return type(other) is type(self) and other.settings() == self.settings()
-
-    def __hash__(self) -> int:
-        return hash((self.name, tuple(sorted(self.settings().items()))))
-
-    def __repr__(self) -> str:
-        params = ", ".join(f"{k}={v!r}" for k, v in self.settings().items())
-        return f"{type(self).__name__}({params})"
 
 
 def squared_norm(keys: mx.array) -> mx.array:

@@ -36,7 +36,7 @@ import numpy as np
 
 from ...platform.mlx_compat import (KVCache, ProbeCache, RotatingKVCache, UnsupportedModelError, architecture,
                           is_full_attention, make_prompt_cache, record_queries)
-from .base import Rule
+from .base import Rule, setting
 
 PROBE_DRAFT = 8
 """Tokens the model answers with no document during the probe (their queries join the question's)."""
@@ -118,26 +118,31 @@ class ProbeBatch:
         return cls(queries, valid, pieces, last, repeated)
 
 
+@dataclass(frozen=True)
 class Question(Rule):
     """Keep the document keys the job's instructions would attend to (``keep="question"``):
     minus :func:`question_scores` of the probe (:class:`ProbeBatch`), each token in its
     sentence piece (a position past the probed prompt, a generated token, is a piece of
-    its own), a repeated piece lowered by :data:`REPEAT_PENALTY`. ``reading``: one of
-    :data:`READINGS` (the config's ``question_score``). Static: a key's score depends on
-    the key and the probe only."""
+    its own), a repeated piece lowered by :data:`REPEAT_PENALTY`. Static: a key's score
+    depends on the key and the probe only. ``Question(reading="mean", carry=0.25)`` is
+    the default layout's."""
 
     name = "question"
     summary = ("the document keys the instructions after the document would attend to, probed first "
                "(--question-score, --carry)")
     needs = "probe"
 
-    def __init__(self, reading: str = "mean"):
-        if reading not in READINGS:
-            raise ValueError(f"question_score must be one of {', '.join(READINGS)}; got {reading!r}")
-        self.reading = reading
+    reading: str = setting(
+        "mean", "How the question rule reads a key's score from the probe: best = the best query's attention "
+        "beyond the sentences around it; per_query = each query's beyond its own neighbourhood; mean = the mean "
+        "of the two.", key="question_score", choices=READINGS)
+    carry: float = setting(
+        0.25, "Share of each question-rule layer's rule slots (after the first such layer) kept for the positions "
+        "the earlier layers scored best (0 = none).", key="carry", metavar="SHARE")
 
-    def settings(self) -> dict:
-        return {"question_score": self.reading}
+    def __post_init__(self):
+        self.check_choice("reading")
+        self.check_share("carry")
 
     def score(self, keys: mx.array, positions: mx.array, state: Optional[ProbeBatch] = None) -> mx.array:
         if state is None:
