@@ -105,22 +105,43 @@ def _check_torn(path: Union[str, Path], line: bytes, ours: bool) -> None:
     """A bad last line is cut as torn (a kill mid-write) only in a file that is
     recognisably ours: records above it (``ours``), or the line begins as a record
     does. Anything else is someone's file, which a run must not cut."""
-    if ours or rec.looks_ours(line):
+    if ours or (rec.looks_ours(line) and not _is_json(line)):  # a torn record is never whole JSON
         return
     raise OutputCorrupt(f"{path} is not a knorm-batch records file (its only line is not a record), and this "
                         "run would replace it; to replace it use --overwrite, or write to another file with -o")
 
 
+def _is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+_STATS_KEYS = {"id", "line", "error"}  # what every stats-log entry holds (records.stats_entry)
+
+
 def check_stats_log(path: Optional[str]) -> None:
-    """Refuse to resume into a stats log that is someone's file (a resume rewrites it)."""
+    """Refuse to resume into a stats log that is someone's file (a resume rewrites it): its
+    first line must be a stats entry, or the torn start of one."""
     if path is None or is_stream(path):
         return
     try:
         with open(path, "rb") as f:
-            start = f.read(4096)
+            data = f.read(1 << 20)
     except FileNotFoundError:
         return
-    if not rec.looks_ours(start):
+    first, newline, _ = data.partition(b"\n")
+    if not newline:
+        ours = rec.looks_ours(first) and not _is_json(first)
+    else:
+        try:
+            entry = json.loads(first)
+        except (ValueError, RecursionError):
+            entry = None
+        ours = not first.strip() or (isinstance(entry, dict) and _STATS_KEYS <= set(entry))
+    if not ours:
         raise ResumeRefused(f"the stats log {path} is not a knorm-batch stats log, and this run would rewrite it; "
                             "to replace it use --overwrite, or give another --stats-log")
 
@@ -412,6 +433,7 @@ def _plan_group(files: Outputs, wanted: Wanted, accept_old: bool, overwrite: boo
         with group.during("the resume exchange"):
             group.barrier()  # nobody deletes a part another rank has started since
         return ResumePlan()
+    check_stats_log(files.stats_log)
     union: dict[str, tuple[Optional[str], bytes]] = {}
     expected = wanted.expected
     with group.during("the resume exchange"):

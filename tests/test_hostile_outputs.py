@@ -71,7 +71,8 @@ def test_the_texts_file_inside_the_folder_is_not_read_on_a_rerun(tmp_path, tiny)
 # ------------------------------------------------------------ 2. an existing file that is not ours
 
 
-@pytest.mark.parametrize("content", [b"my only line, no newline", b"my only line\n", b"  hello\n\n"])
+@pytest.mark.parametrize("content", [b"my only line, no newline", b"my only line\n", b"  hello\n\n",
+                                     b'{"id": "mine", "prompt": "a row of my own"}\n'])
 def test_output_naming_someones_one_line_file_is_refused(tmp_path, tiny, content):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"id": "r", "prompt": "Hello there."}) + "\n")
@@ -85,14 +86,16 @@ def test_output_naming_someones_one_line_file_is_refused(tmp_path, tiny, content
         assert victim.read_bytes() == content
 
 
-def test_a_stats_log_that_is_someones_file_is_refused(tmp_path, tiny):
+@pytest.mark.parametrize("content", [b"Dear diary,\ntoday I ran a batch job.\n", b"one line, no newline",
+                                     b'{"id": 1, "text": "my data"}\n{"id": 2, "text": "more"}\n'])
+def test_a_stats_log_that_is_someones_file_is_refused(tmp_path, tiny, content):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"id": "r", "prompt": "Hello there."}) + "\n")
     victim = tmp_path / "diary.txt"
-    victim.write_bytes(b"Dear diary,\ntoday I ran a batch job.\n")
+    victim.write_bytes(content)
     result = invoke(rows, "-o", tmp_path / "out.jsonl", "--stats-log", victim, *tiny)
     assert result.exit_code == 2 and str(victim) in result.stderr and "--overwrite" in result.stderr
-    assert victim.read_bytes() == b"Dear diary,\ntoday I ran a batch job.\n"
+    assert victim.read_bytes() == content
 
 
 def test_a_torn_record_alone_is_still_cut(tmp_path, tiny):
