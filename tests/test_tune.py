@@ -19,7 +19,8 @@ from knorm_gen.tuning.evaluate import Evaluator, summarize, with_needle
 from knorm_gen.eviction.layouts import CANDIDATES
 from knorm_gen.models.load import load_model
 from knorm_gen.tuning.tune import QUICK_ARMS, choose, degenerate_references, rank, separation_note
-from knorm_gen.generation.tunings import NoTuningError, auto_config, load_tuning, model_identity, save_tuning, tuned_config
+from knorm_gen.generation.tunings import NoTuningError, auto_config, load_tuning, save_tuning, tuned_config
+from knorm_gen.models.load import model_fingerprint
 
 
 @pytest.fixture(autouse=True)
@@ -39,7 +40,7 @@ ARMS = {a: CANDIDATES[a] for a in ("keydiff", "low", "paper", "random")}  # pape
 def saved(model, name, layout=None, **kw):
     """A saved tuning for ``model`` choosing ``name`` (its layout, or ``layout``)."""
     record = dict(chosen=name, layout=CANDIDATES[name] if layout is None else layout, job="both", ratio=4.0,
-                  budget=96, docs=["a"], why="test", model_identity=model_identity(model))
+                  budget=96, docs=["a"], why="test", model_identity=model_fingerprint(model))
     return save_tuning(model, {**record, **kw})
 
 

@@ -56,6 +56,7 @@ from ..platform.files import (
     is_stream,
     remove_stale_temps,
     rewrite_atomically,
+    write_failure,
 )
 from ..eviction.memory import kv_memory, mib
 from ..models.load import ModelUsageError, get_model, with_run_options
@@ -409,7 +410,7 @@ def _run_batch(input_path, output_path, options: BatchOptions, *, model, tokeniz
                 plan = plan_run(files, ready.wanted, accept_old=options.accept_old_records,
                                 overwrite=options.overwrite, group=group, log=log if progress else None)
             except OSError as e:  # a rewrite (a torn line cut) on a full disk
-                raise BatchUsageError(f"cannot rewrite {e.filename or files.own_output}: {e.strerror or e}; "
+                raise BatchUsageError(f"cannot rewrite {e.filename or files.own_output}: {write_failure(e)}; "
                                       "nothing was run") from None
             writer = _open_writer(files.own_output, options.overwrite, stdout)
             stats = _open_writer(files.own_stats, options.overwrite, None) if files.own_stats else None
@@ -467,7 +468,8 @@ def _prepare(files: _Files, options: BatchOptions, model, tokenizer, group: Grou
     try:
         files.check(options, group)
         source = open_source(files.input, options.rows, options.globs,
-                             (files.output, files.stats_log, options.summary_json))
+                             [("output", files.output), ("stats log", files.stats_log),
+                              ("summary", options.summary_json), ("texts", options.texts)])
         locks = files.lock(group)
         if options.summary_json and group.rank == 0 and not is_stream(options.summary_json):
             remove_stale_temps(options.summary_json)
@@ -584,7 +586,7 @@ def _write_summary(path: Optional[str], summary: BatchSummary) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         rewrite_atomically(path, [(json.dumps(summary.to_dict(), indent=2) + "\n").encode()])
     except OSError as e:
-        summary.io_error = summary.io_error or f"cannot write summary {path}: {e}"
+        summary.io_error = summary.io_error or f"cannot write summary {path}: {write_failure(e)}"
 
 
 def _write_texts(path: Optional[str], output: str, summary: BatchSummary) -> None:
@@ -597,7 +599,7 @@ def _write_texts(path: Optional[str], output: str, summary: BatchSummary) -> Non
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         rewrite_atomically(path, [rec.texts_markdown(records, f"Texts of {output}").encode()])
     except OSError as e:
-        summary.io_error = f"cannot write texts {path}: {e}"
+        summary.io_error = f"cannot write texts {path}: {write_failure(e)}"
 
 
 def _finish_group(files: _Files, ready: _Prepared, plan: ResumePlan, summary: BatchSummary,
@@ -686,6 +688,8 @@ def _scan_rows(source: InputSource, runner: RowRunner, limit: Optional[int],
             wanted.lines[item.key] = item.line
             if fingerprint is not None:
                 wanted.configs[item.key] = runner.settings_for(item.overrides).config  # shared by rows alike
+        elif item.id is not None and source.rerun_edited:
+            wanted.unusable.add(rec.id_key(item.id))
         if (limit is None or n < limit) and shard_of(n, group.size) == group.rank:
             total += 1
     return wanted, total, items

@@ -152,6 +152,17 @@ def upgrade_stats_entry(entry: dict) -> dict:
 # ------------------------------------------------------------------ writing
 
 
+RECORD_START = b'{"id": '
+"""How every line of a records file and of a stats log begins (:func:`dump_record`)."""
+
+
+def looks_ours(data: bytes) -> bool:
+    """Whether ``data`` (a file's start, or one line) begins as a records file or stats
+    log of ours does, or is blank: a torn line of such a file may be cut, another file not."""
+    data = data.lstrip(b" \t\r\n")
+    return not data or data.startswith(RECORD_START) or RECORD_START.startswith(data)
+
+
 def dump_record(record: dict) -> bytes:
     """One record as one JSONL line (UTF-8, ending in a newline)."""
     return (json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")

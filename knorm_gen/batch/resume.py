@@ -74,12 +74,14 @@ def scan_output(path: Union[str, Path]) -> ResumeState:
     lines = data.split(b"\n")
     tail = lines.pop()  # b"" when the file ends with a newline
     if tail:
+        _check_torn(path, tail, ours=bool(lines))
         state.torn = True
     first_line: dict[str, int] = {}
     for i, line in enumerate(lines, 1):
         record = rec.parse_record(line)
         if record is None:
             if i == len(lines) and not tail:
+                _check_torn(path, line, ours=i > 1)
                 state.torn = True
                 break
             raise OutputCorrupt(f"{path} line {i} is not a knorm-batch record; "
@@ -97,6 +99,51 @@ def scan_output(path: Union[str, Path]) -> ResumeState:
         else:
             state.dropped_errors += 1
     return state
+
+
+def _check_torn(path: Union[str, Path], line: bytes, ours: bool) -> None:
+    """A bad last line is cut as torn (a kill mid-write) only in a file that is
+    recognisably ours: records above it (``ours``), or the line begins as a record
+    does. Anything else is someone's file, which a run must not cut."""
+    if ours or (rec.looks_ours(line) and not _is_json(line)):  # a torn record is never whole JSON
+        return
+    raise OutputCorrupt(f"{path} is not a knorm-batch records file (its only line is not a record), and this "
+                        "run would replace it; to replace it use --overwrite, or write to another file with -o")
+
+
+def _is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+_STATS_KEYS = {"id", "line", "error"}  # what every stats-log entry holds (records.stats_entry)
+
+
+def check_stats_log(path: Optional[str]) -> None:
+    """Refuse to resume into a stats log that is someone's file (a resume rewrites it): its
+    first line must be a stats entry, or the torn start of one."""
+    if path is None or is_stream(path):
+        return
+    try:
+        with open(path, "rb") as f:
+            data = f.read(1 << 20)
+    except FileNotFoundError:
+        return
+    first, newline, _ = data.partition(b"\n")
+    if not newline:
+        ours = rec.looks_ours(first) and not _is_json(first)
+    else:
+        try:
+            entry = json.loads(first)
+        except (ValueError, RecursionError):
+            entry = None
+        ours = not first.strip() or (isinstance(entry, dict) and _STATS_KEYS <= set(entry))
+    if not ours:
+        raise ResumeRefused(f"the stats log {path} is not a knorm-batch stats log, and this run would rewrite it; "
+                            "to replace it use --overwrite, or give another --stats-log")
 
 
 def repair_torn_tail(path: Union[str, Path]) -> bool:
@@ -217,7 +264,7 @@ def with_aliases(records: dict, aliases: Optional[dict]) -> dict:
 
 def plan_resume(output: str, expected: dict[str, Optional[str]], accept_old: bool,
                 configs: Optional[dict] = None, model: Optional[str] = None, rerun_edited: bool = False,
-                aliases: Optional[dict] = None) -> ResumePlan:
+                aliases: Optional[dict] = None, unusable: frozenset = frozenset()) -> ResumePlan:
     """Compare an earlier output with the input's rows (see :func:`check_resume`).
 
     ``expected`` maps each input row's id to the fingerprint a record of it
@@ -227,7 +274,8 @@ def plan_resume(output: str, expected: dict[str, Optional[str]], accept_old: boo
     state = scan_output(output)
     with_aliases(state.records, aliases)
     if rerun_edited and not accept_old:
-        state.dropped_edited = len(drop_edited(state.records, Wanted(expected, configs=configs or {}, model=model)))
+        state.dropped_edited = len(drop_edited(state.records, Wanted(expected, configs=configs or {}, model=model,
+                                                                 unusable=set(unusable))))
     check_resume(state.records, expected, accept_old, output, configs, model)
     return ResumePlan(done=set(state.records), keep=[line for _, line in state.records.values()],
                       keys=list(state.records), rewrite=state.needs_rewrite, torn=state.torn,
@@ -237,9 +285,10 @@ def plan_resume(output: str, expected: dict[str, Optional[str]], accept_old: boo
 def drop_edited(records: dict, wanted: "Wanted") -> set[str]:
     """Take out of ``records`` (id -> (fingerprint, line)) those made with the settings and
     model of now from other row content (a folder's file edited since), so that their
-    rows run again; returns their ids. Records made with other settings stay, for
-    :func:`check_resume` to refuse."""
-    edited = set()
+    rows run again; returns their ids. So are the records of files that are there but can
+    be no row now (emptied since): they run again, into the error an empty file gets.
+    Records made with other settings stay, for :func:`check_resume` to refuse."""
+    edited = {key for key in records if key in wanted.unusable}
     for key, (fp, line) in records.items():
         if key not in wanted.configs or fp == wanted.expected.get(key):
             continue
@@ -280,6 +329,8 @@ class Wanted:
     # fingerprints of the same rows and settings as older versions spelled them (legacy.older_spelling),
     # mapped to today's: a record that carries one is done
     aliases: dict[str, str] = field(default_factory=dict)
+    # ids of input items that are there but can be no row now (a folder's file emptied since)
+    unusable: set[str] = field(default_factory=set)
 
 
 def plan_run(files: Outputs, wanted: Wanted, *, accept_old: bool, overwrite: bool, group: Group,
@@ -302,8 +353,9 @@ def _plan_alone(files: Outputs, wanted: Wanted, accept_old: bool, overwrite: boo
         for path in parts:
             path.unlink(missing_ok=True)
         return ResumePlan()
+    check_stats_log(files.own_stats)
     plan = plan_resume(files.own_output, wanted.expected, accept_old, wanted.configs, wanted.model,
-                       wanted.rerun_edited, wanted.aliases)
+                       wanted.rerun_edited, wanted.aliases, frozenset(wanted.unusable))
     if parts:  # an earlier run across several processes stopped before its merge: take its records in
         have = set(plan.done)
         extra = with_aliases({k: (fp, line.encode("utf-8")) for k, fp, line in _local_records(files)
@@ -381,6 +433,7 @@ def _plan_group(files: Outputs, wanted: Wanted, accept_old: bool, overwrite: boo
         with group.during("the resume exchange"):
             group.barrier()  # nobody deletes a part another rank has started since
         return ResumePlan()
+    check_stats_log(files.stats_log)
     union: dict[str, tuple[Optional[str], bytes]] = {}
     expected = wanted.expected
     with group.during("the resume exchange"):

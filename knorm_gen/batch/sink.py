@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 from tqdm import tqdm
 
 from . import records as rec
+from ..platform.files import write_failure
 
 FIRST_ERRORS = 3
 """Row errors the summary names one by one (id, line, message); the output has them all."""
@@ -189,7 +190,7 @@ class Sink:
                     else "a rerun rebuilds it from the output")
             self.summary.io_error = f"the {what} {name} {e} while this run was writing it: {lost}"
         else:
-            self.summary.io_error = f"cannot write the {what} {name}: {e.strerror or e}"
+            self.summary.io_error = f"cannot write the {what} {name}: {write_failure(e)}"
 
     def finish(self, wall_s: float) -> None:
         summary = self.summary

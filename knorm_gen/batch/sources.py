@@ -30,6 +30,7 @@ from typing import BinaryIO, Iterator, Optional, Sequence, Union
 from ..eviction.config import RowsConfig
 from .distributed import local_parts
 from ..platform.files import FileUsageError, open_input
+from . import records as rec
 from .records import FILE_TOO_LARGE, INVALID_ROW, INVALID_UTF8, UNREADABLE_FILE
 from .rows import MAX_LINE_BYTES, Row, RowError, content_digest, parse_row, read_rows
 
@@ -199,11 +200,12 @@ def pdf_text(data: bytes) -> str:
 
 
 def open_source(path: str, shape: RowsConfig, globs: Sequence[str] = (),
-                own_files: Sequence[Optional[str]] = ()) -> InputSource:
+                own_files: Sequence[tuple[str, Optional[str]]] = ()) -> InputSource:
     """The input at ``path``: a folder's files (``globs``, default :data:`DEFAULT_GLOBS`),
-    or JSONL rows (a file, ``-``, a pipe). ``own_files``: the run's output (first),
-    stats log and summary, which a folder never reads. A problem found before any
-    work is a :class:`~knorm_gen.platform.files.FileUsageError`."""
+    or JSONL rows (a file, ``-``, a pipe). ``own_files``: ``(role, path)`` of the run's
+    output (first), stats log, summary and texts, which a folder never reads, and which
+    must not be one of its documents (:func:`check_own_files`). A problem found before
+    any work is a :class:`~knorm_gen.platform.files.FileUsageError`."""
     if path != "-" and os.path.isdir(path):
         return open_folder(Path(path), shape, tuple(globs) or DEFAULT_GLOBS, own_files)
     if globs:
@@ -212,7 +214,7 @@ def open_source(path: str, shape: RowsConfig, globs: Sequence[str] = (),
 
 
 def open_folder(root: Path, shape: RowsConfig, globs: Sequence[str],
-                own_files: Sequence[Optional[str]] = ()) -> FolderSource:
+                own_files: Sequence[tuple[str, Optional[str]]] = ()) -> FolderSource:
     """The folder's files that match ``globs``; no match is a usage error, and so is a
     PDF among them without pypdf."""
     patterns = check_globs(globs)
@@ -220,7 +222,8 @@ def open_folder(root: Path, shape: RowsConfig, globs: Sequence[str],
         os.scandir(root).close()
     except OSError as e:
         raise FileUsageError(f"cannot read input folder {root}: {e.strerror or e}") from None
-    files = list_folder(root, patterns, *_run_files(root, own_files))
+    check_own_files(root, patterns, own_files)
+    files = list_folder(root, patterns, *_run_files(root, [p for _, p in own_files]))
     if not files:
         default = tuple(globs) == DEFAULT_GLOBS
         raise FileUsageError(
@@ -251,6 +254,41 @@ def check_globs(globs: Sequence[str]) -> tuple[str, ...]:
                                  "folder as INPUT")
         out.append(pattern)
     return tuple(dict.fromkeys(out))
+
+
+# How each of the run's own files begins, when it is one (an earlier run of this job wrote it).
+_OWN_STARTS = {"texts": (b"# Texts of ",), "summary": (b'{\n  "input": ',)}
+
+
+def check_own_files(root: Path, globs: Sequence[str], own_files: Sequence[tuple[str, Optional[str]]]) -> None:
+    """Refuse a file the run writes that is a document of the folder input (an existing
+    file the globs match, not hidden) and not one an earlier run wrote: writing it would
+    replace the user's document."""
+    real_root = os.path.realpath(root).rstrip(os.sep) + os.sep
+    for role, path in own_files:
+        if not path or path == "-" or not os.path.isfile(path):
+            continue
+        real = os.path.realpath(path)
+        rel = real[len(real_root):].split(os.sep) if real.startswith(real_root) else None
+        if not rel or any(part.startswith(".") for part in rel) or not any(fnmatchcase(rel[-1], g) for g in globs):
+            continue
+        if _written_by_us(role, real):
+            continue
+        raise FileUsageError(f"the {role} file {path} is a document of the input folder {root} (it matches the "
+                             f"globs), and this run would replace it; give the {role} a path outside the folder, "
+                             "or a name no glob matches")
+
+
+def _written_by_us(role: str, path: str) -> bool:
+    """Whether the file at ``path`` is empty or begins as this role's file of ours does."""
+    try:
+        with open(path, "rb") as f:
+            start = f.read(4096)
+    except OSError:
+        return False
+    if role in _OWN_STARTS:
+        return not start.strip() or start.startswith(_OWN_STARTS[role])
+    return rec.looks_ours(start)
 
 
 def _run_files(root: Path, own_files: Sequence[Optional[str]]) -> tuple[set[str], set[str]]:
@@ -288,13 +326,30 @@ def list_folder(root: Path, globs: Sequence[str], skip_files: set = frozenset(),
                 continue
             if os.path.realpath(here / name) not in skip_files:
                 found.append(_listed((here / name).relative_to(root).as_posix()))
-    return sorted(found, key=lambda f: f.rel)
+    return unique_ids(sorted(found, key=lambda f: f.rel))
 
 
 def _listed(rel: str, problem: Optional[tuple[str, str]] = None) -> Listed:
     try:
         rel.encode("utf-8")
     except UnicodeEncodeError:  # a name of bytes that are not UTF-8 (os.fsdecode's surrogates)
-        shown = rel.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-        return Listed(shown, (INVALID_UTF8, "the file name is not valid UTF-8; rename the file to read it"))
+        byte = next(ord(c) - 0xDC00 for c in rel if "\udc80" <= c <= "\udcff")
+        shown = rel.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        return Listed(shown, (INVALID_UTF8, f"the file name is not valid UTF-8 (byte 0x{byte:02x}; each such byte "
+                                            "is shown as \\xNN in its id); rename the file to a UTF-8 name to read it"))
     return Listed(rel, problem)
+
+
+def unique_ids(files: list[Listed]) -> list[Listed]:
+    """``files`` with every id unique: a name shown with ``\\xNN`` escapes (not UTF-8) that
+    a real file's name spells too gets ``\\`` before each escape until it is unique."""
+    taken = {f.rel for f in files if f.problem is None or f.problem[0] != INVALID_UTF8}
+    out = []
+    for f in files:
+        rel = f.rel
+        if f.problem is not None and f.problem[0] == INVALID_UTF8:
+            while rel in taken:
+                rel = rel.replace("\\x", "\\\\x")
+            taken.add(rel)
+        out.append(Listed(rel, f.problem))
+    return out

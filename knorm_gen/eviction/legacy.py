@@ -5,8 +5,13 @@ API, the command line and the configs take today's names only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any, Mapping, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
 
 from .rules import setting_fields
 from .spans import ALL_EVICTABLE, pin_from
@@ -96,3 +101,16 @@ def old_row_state(v: Sequence[Any]) -> tuple:
                     kv_bits=int(slot(14, 0)) or None, kv_group_size=int(slot(15, 64)), budgets=[budget],
                     recents=[int(recent)], counts=[count], seen=[offset], holes=[free is not None], spans=[spans])
     return keys, values, rank, free, slot(11, None), settings
+
+
+def older_weights_digest(model: Any) -> str:
+    """The name a saved tuning had before tunings were kept by the model's content fingerprint:
+    a digest of every weight's name, shape, dtype and first 4,096 values."""
+    h = hashlib.sha256()
+    for name, w in tree_flatten(model.parameters()):
+        sample = w.reshape(-1)[:4096]
+        if sample.dtype not in (mx.float32, mx.uint32, mx.int32):
+            sample = sample.astype(mx.float32)
+        h.update(f"{name}{tuple(w.shape)}{w.dtype}".encode())
+        h.update(np.array(sample).tobytes())
+    return h.hexdigest()[:24]

@@ -13,7 +13,7 @@ from .engine import DEFAULT_BATCH_SIZE, Request, run_jobs, stream_request
 from .prompts import (Prompt, as_tokenizer, check_length, context_spans, encode_text, encode_with_spans,
                       has_chat_template, question_prompts)
 from .results import GenerationResult
-from .long_documents import REDUCE_HEADER, fit_context, fit_prompt, needs_pieces, pieces, room_for
+from .long_documents import REDUCE_HEADER, check_room, fit_context, fit_prompt, needs_pieces, pieces, room_for
 from ..models.support import check_model
 
 __all__ = [
@@ -244,8 +244,11 @@ def answer_in_pieces(model: Any, tokenizer: Any, context: str, questions: Sequen
     eviction (the pieces decode together), then once more over the pieces' answers. One result
     per question; its cache numbers are its largest piece's, its times the sum of every step's,
     and its ``long_document`` lists the pieces."""
-    _, fits = room_for(model, tokenizer, context, questions, generation)
-    parts = pieces(tokenizer, context, fits, generation)
+    doc, fits = room_for(model, tokenizer, context, questions, generation)
+    check_room(model, fits, generation)
+    parts = [p for p in pieces(tokenizer, context, fits, generation) if p.strip()]  # a blank stretch is no piece
+    if not parts:
+        raise ValueError("context is empty: the document holds only whitespace")
     requests = [question_request(model, tokenizer, i, part, questions, eviction, generation)
                 for i, part in enumerate(parts)]
     mapped = {r.key: results for r, results in run_jobs(model, tokenizer, requests, batch_size=batch_size, seed=seed)}
@@ -256,13 +259,13 @@ def answer_in_pieces(model: Any, tokenizer: Any, context: str, questions: Sequen
                             for i, results in enumerate(by_piece))
         reduce = question_request(model, tokenizer, "reduce", notes, [question], eviction, generation)
         ((_, (answer,)),) = run_jobs(model, tokenizer, [reduce], batch_size=batch_size, seed=seed)
-        final.append(_with_pieces(answer, [results[q] for results in by_piece], parts, tokenizer))
+        final.append(_with_pieces(answer, [results[q] for results in by_piece], parts, tokenizer, doc))
     return final
 
 
-def _with_pieces(answer: Any, mapped: list, parts: list[str], tokenizer: Any) -> Any:
+def _with_pieces(answer: Any, mapped: list, parts: list[str], tokenizer: Any, document_tokens: int) -> Any:
     peak = max(mapped, key=lambda r: r.tokens_seen)
-    info = {"mode": "chunk", "document_tokens": sum(len(encode_text(tokenizer, p)) for p in parts),
+    info = {"mode": "chunk", "document_tokens": document_tokens,
             "pieces": [{"tokens": len(encode_text(tokenizer, p)), "tokens_seen": r.tokens_seen,
                         "tokens_kept": r.tokens_kept, "compression_ratio": r.compression_ratio, "answer": r.text}
                        for p, r in zip(parts, mapped)]}

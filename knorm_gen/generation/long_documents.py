@@ -58,6 +58,22 @@ def truncate(tokenizer: Any, context: str, fits: int, generation: GenerationConf
                   "cut": len(ids) - head - tail}
 
 
+MIN_PIECE_TOKENS = 32
+"""The fewest document tokens a piece under ``chunk`` may hold: with less room, the answer
+(``max_tokens``) leaves too little of the context to read the document in."""
+
+
+def check_room(model: Any, fits: int, generation: GenerationConfig) -> None:
+    """Refuse to read a document in pieces of fewer than :data:`MIN_PIECE_TOKENS` tokens
+    (a ``max_tokens`` answer that fills nearly all of the context), naming both."""
+    if fits >= MIN_PIECE_TOKENS:
+        return
+    raise ValueError(f"the answer's length (max_tokens {generation.max_tokens}) leaves room for {fits} document "
+                     f"tokens in the model's {model_context_length(model)}-token context (with the template and "
+                     f"the question), and chunk needs at least {MIN_PIECE_TOKENS} per piece; lower --max-tokens "
+                     "or use a model with a longer context")
+
+
 def pieces(tokenizer: Any, context: str, fits: int, generation: GenerationConfig) -> list[str]:
     """``context`` in the fewest pieces of at most ``fits`` tokens, of about equal length, each
     cut after the sentence or line end nearest its share (within a tenth of the room)."""

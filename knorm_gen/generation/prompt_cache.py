@@ -31,6 +31,7 @@ from ..eviction.legacy import current_settings
 from ..eviction.config import EvictionConfig, GenerationConfig, ResolvedEviction, settings_dict
 from .engine import stream_ids, prefill
 from ..eviction.memory import cache_stats
+from ..models.load import model_fingerprint
 from .prompts import (ids_before_marker, as_tokenizer, check_length, context_spans, encode_text, has_chat_template,
                       question_prompts, with_system_prompt)
 from .results import GenerationResult
@@ -73,6 +74,8 @@ class SavedDocument:
     """The eviction settings resolved for the document, as a record's ``config`` reports them."""
     chat: bool
     """Whether the document went through the chat template."""
+    model_fingerprint: Optional[str] = None
+    """The saving model's content (:func:`~knorm_gen.models.load.model_fingerprint`); None in older files."""
 
     def generation_config(self, **fields_: Any) -> GenerationConfig:
         """A :class:`GenerationConfig` with this file's :data:`DOCUMENT_SETTINGS` and ``fields_``."""
@@ -166,7 +169,7 @@ def save_document(model: Any, tokenizer: Any, document: str, path: Union[str, Pa
         "settings": json.dumps(resolved.to_dict()), "document": document,
         "document_sha256": hashlib.sha256(document.encode("utf-8")).hexdigest(),
         "ids": json.dumps(ids), "spans": json.dumps([list(s) for s in spans]), "questions": json.dumps(list(questions)),
-        "chat": json.dumps(chat),
+        "chat": json.dumps(chat), "model_fingerprint": model_fingerprint(model),
     }
     _write(path, caches, metadata)
     stats = cache_stats(caches)
@@ -238,7 +241,7 @@ def read_document(path: Union[str, Path]) -> SavedDocument:
             json.loads(meta["questions"]), meta["model"], meta["adapter_path"] or None,
             json.loads(meta["chat_template_config"]) if meta["chat_template_config"] else None,
             _eviction_config(json.loads(meta["eviction"])), json.loads(meta["generation"]),
-            json.loads(meta["settings"]), bool(json.loads(meta["chat"])))
+            json.loads(meta["settings"]), bool(json.loads(meta["chat"])), meta.get("model_fingerprint") or None)
     except (KeyError, ValueError, TypeError) as e:
         raise PromptCacheError(f"{path}: its metadata is damaged ({type(e).__name__}: {e}): save the document "
                                "again with knorm-generate --save-prompt-cache") from None
@@ -263,9 +266,24 @@ def _differences(mine: dict, theirs: dict) -> list[tuple[str, Any, Any]]:
     return [(k, mine.get(k), theirs.get(k)) for k in dict.fromkeys([*mine, *theirs]) if mine.get(k) != theirs.get(k)]
 
 
+def check_same_model(saved: SavedDocument, model: Any) -> None:
+    """Refuse ``model`` when its content is not the saving model's (other weights or config
+    at the same path), naming both: caches of another model answer garbage."""
+    if saved.model_fingerprint is None:
+        return  # saved before files carried it: the layer and settings check below is all there is
+    mine = model_fingerprint(model)
+    if mine != saved.model_fingerprint:
+        source = (getattr(model, "knorm_info", None) or {}).get("source", "the model given")
+        raise PromptCacheError(f"{saved.path} was saved with another model: {saved.model} as it was then (content "
+                               f"{saved.model_fingerprint}), and the model loaded now, {source}, has other weights or "
+                               f"config (content {mine}); ask it with the model it was saved with, or save the "
+                               "document again with this one")
+
+
 def resolved_for(saved: SavedDocument, model: Any) -> ResolvedEviction:
     """The file's eviction settings resolved for ``model`` and its document, checked against
     what the file's caches were made with (``PromptCacheError``: another model's caches)."""
+    check_same_model(saved, model)
     resolved = saved.eviction.for_model(model)
     resolved = resolved.for_row(saved.spans, len(saved.ids))
     if resolved.to_dict() != saved.settings or len(saved.caches) != resolved.n_layers:

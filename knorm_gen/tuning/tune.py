@@ -20,7 +20,8 @@ from .evaluate import (TUNE_FILLERS, TUNE_MODES, Doc, Evaluator, bootstrap_inter
                        recovered_by_doc, summarize, tuning_cases)
 from ..eviction.layouts import CANDIDATES, describe
 from ..generation.prompts import as_tokenizer
-from ..generation.tunings import below_random, model_identity
+from ..generation.tunings import below_random
+from ..models.load import model_fingerprint
 
 TUNE_ARMS = ("default", "spread25", "no_carry", "intrinsic", "low", "keydiff", "random")
 """What ``knorm-tune`` measures by default (``--arms`` for the others of :data:`CANDIDATES`):
@@ -258,7 +259,7 @@ def tune(model: Any, tokenizer: Any, docs: Sequence[Doc], *, ratio: Optional[flo
     record = decide(rows, {d.name: d.text for d in docs}, lambda t: tok.encode(t, add_special_tokens=False), job,
                     fields)
     compression = measured_compression(rows)
-    record.update(model_identity=model_identity(model), job=job, docs=[d.name for d in docs], fillers=list(fillers),
+    record.update(model_identity=model_fingerprint(model), job=job, docs=[d.name for d in docs], fillers=list(fillers),
                   ratio=sum(compression.values()) / len(compression) if compression else ratio,
                   budget=budget if ratio is None else _mean_budget(rows), compression=compression, rows=rows,
                   sweep=None)
