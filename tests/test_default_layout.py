@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from knorm_gen import EvictionConfig, GenerationConfig, load_model
+from knorm_gen.models.load import get_model
+from knorm_gen import EvictionConfig, GenerationConfig
 from knorm_gen.eviction.cache import EvictionKVCache
 from knorm_gen.tuning.corpus import pydoc_sections
 from knorm_gen.generation.engine import BatchEngine, prefill
@@ -61,7 +62,7 @@ def assert_same_as_saved(got: list[dict], which: str) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load_model()
+    return get_model("default")  # one load per process, shared with the other end-to-end tests
 
 
 def test_the_default_keeps_what_it_kept_as_a_rule_name_on_smollm2(smollm2):

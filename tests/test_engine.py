@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from knorm_gen.models.load import get_model
 from knorm_gen import (EvictionConfig, GenerationResult, EvictionKVCache, generate_batch_with_eviction,
                        make_eviction_cache, stream_batch_with_eviction)
 from knorm_gen.platform.mlx_compat import own_layer_masks
@@ -17,7 +18,6 @@ from knorm_gen.generation.engine import BatchEngine
 from knorm_gen.eviction.config import PRESETS, GenerationConfig
 from knorm_gen.generation.prompts import encode_prompt
 from knorm_gen.tuning.corpus import text_of_tokens
-from knorm_gen.models.load import load_model
 
 from .conftest import document_span, greedy_with_gaps, kept_after
 
@@ -28,7 +28,7 @@ N_LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 
 @pytest.fixture(scope="module")
 def mt():
-    return load_model()
+    return get_model("default")  # one load per process, shared with the other end-to-end tests
 
 
 def scores_by_position(cache: EvictionKVCache) -> list[dict]:

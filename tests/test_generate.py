@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from knorm_gen.models.load import get_model
 from knorm_gen import (GenerationResult, PromptTooLongError, answer_questions, generate_with_eviction,
                        stream_with_eviction)
-from knorm_gen.models.load import load_model
 
 from .conftest import RecordingModel, assert_greedy_agree
 from .conftest import document_span, kept_after
@@ -25,7 +25,7 @@ PROMPT = "List three facts about the moon, one per line."
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer():
-    return load_model()
+    return get_model("default")  # one load per process, shared with the other end-to-end tests
 
 
 def chat_ids(tokenizer, text):

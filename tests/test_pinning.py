@@ -155,9 +155,9 @@ DOC = ("The harbor master keeps a log of every ship. Each entry names the ship, 
 
 @pytest.fixture(scope="module")
 def smol():
-    from knorm_gen import load_model
+    from knorm_gen.models.load import get_model
 
-    return load_model()
+    return get_model("default")  # one load per process, shared with the other end-to-end tests
 
 
 @pytest.mark.parametrize("system", [None, "You are a careful technical writer. Answer in three bullet points."])
