@@ -1226,7 +1226,7 @@ def _tune_plot(record: dict, path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        click.echo("knorm-tune: no plot (pip install 'knorm-gen[plot]' for matplotlib)", err=True)
+        click.echo("knorm-tune: no plot (pip install -e '.[plot]' in the knorm_gen checkout, or pip install matplotlib)", err=True)
         return
     kept: dict[str, list] = {}
     for r in record["rows"]:
