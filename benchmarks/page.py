@@ -108,6 +108,25 @@ def compression_table(model: str) -> str:
     return "\n".join(lines) + "\n\n" + command(*names)
 
 
+def compact_table(model: str) -> str:
+    """README's table: per compression, the default against random eviction (summary kept, the
+    difference with its interval, facts found) and the KV per row with its saving against the
+    model's own cache; docs/results.md has every arm and the commands."""
+    parts = [load(n) for n in ratio_files(model)]
+    own = kv_bytes(rows_at(parts[0], 4.0), "full")
+    lines = ["| ratio | summary kept (random) | vs random, points (95% interval) | facts found (random) | "
+             "KV per row, MiB (saving) |", "|---|---|---|---|---|"]
+    for ratio in sorted({float(r) for p in parts for r in p["meta"]["ratios"]}):
+        rows = [r for p in parts for r in rows_at(p, ratio)]
+        table = summarize(rows, ["full", "default", "random"])
+        t, r = table["default"], table["random"]
+        lines.append(f"| {ratio:g}x | {_pct(t['recovered'])} ({_pct(r['recovered'])}) | {interval(t)} | "
+                     f"{t['keys_of_full']}/{t['full_keys']} ({r['keys_of_full']}/{r['full_keys']}) | "
+                     f"{kv_mib(rows, 'default', own)} |")
+    lines.append(f"| 1x, the model's own cache | 100% | - | (all) | {kv_mib(rows_at(parts[0], 4.0), 'full')} |")
+    return "\n".join(lines)
+
+
 def candidates_table(model: str) -> str:
     result = load(f"grid-{model}-2k-candidates.json")
     arms = list(result["meta"]["arms"])
@@ -218,6 +237,7 @@ def tables() -> dict:
     out = {}
     for model in MODELS:
         out[f"compressions-{model}"] = lambda m=model: compression_table(m)
+        out[f"readme-{model}"] = lambda m=model: compact_table(m)
         out[f"candidates-{model}"] = lambda m=model: candidates_table(m)
         out[f"lengths-{model}"] = lambda m=model: length_table(m)
         out[f"coverage-{model}"] = lambda m=model: coverage_table(m)
