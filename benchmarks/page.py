@@ -289,7 +289,8 @@ def plot(out: Path) -> None:
         axes[1, col].set_ylabel("pass keys found, % of the full cache's")
         axes[1, col].set_xlabel("compression (document tokens per kept token)")
     axes[0, 0].legend(fontsize=8)
-    fig.suptitle("2,048-token documents, 12 per model (held out of each other); benchmarks/grid.py")
+    fig.suptitle("2,048-token documents, 12 per model (held out of each other; Gemma 3's summaries over 8 of them)\n"
+                 "benchmarks/grid.py")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
