@@ -142,6 +142,22 @@ _TYPES = {"int": click.INT, "Optional[int]": click.INT, "float": click.FLOAT, "s
           "Optional[str]": click.STRING, "tuple[str, ...]": click.STRING}
 
 
+class _Choice(click.Choice):
+    """click's Choice, with a pointer for a rule name a reader of the paper may try
+    (``--keep l2norm``: the rule is ``low``)."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        try:
+            return super().convert(value, param, ctx)
+        except click.BadParameter as e:
+            from .config import RULE_HINTS
+
+            key = str(value).strip().lower().replace("-", "").replace("_", "")
+            if key in RULE_HINTS and "low" in self.choices:
+                self.fail(f"{e.message.rstrip('.')}: {RULE_HINTS[key]}", param, ctx)
+            raise
+
+
 def _config_option(f: Field, override: Optional[dict] = None) -> Callable:
     """One ``click.option`` for a config field, from the field itself (``override``: a
     command's own ``help`` or ``choices`` for it, :data:`GENERATE_HELP`)."""
@@ -160,7 +176,7 @@ def _config_option(f: Field, override: Optional[dict] = None) -> Callable:
     if meta.get("parse"):
         kw["type"] = _Parsed(meta.get("metavar") or f.name.upper(), meta["parse"])
     elif meta.get("choices"):
-        kw["type"] = click.Choice(meta["choices"])
+        kw["type"] = _Choice(meta["choices"])
     else:
         kw["type"] = _TYPES[f.type]
     return click.option(name, *aliases, f.name, **kw)
