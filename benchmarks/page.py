@@ -46,8 +46,9 @@ def rows_at(result: dict, ratio: float) -> list[dict]:
 
 def kv_bytes(rows: list[dict], arm: str) -> float | None:
     """The mean KV bytes a row of ``arm`` held over every layer. The full arm's is the model's own
-    cache, as mlx_lm's ``make_prompt_cache`` holds it (a sliding-window layer at its window; a
-    results file's ``full_bytes`` from before 0.14 counted such layers at full length)."""
+    cache, as mlx_lm's ``make_prompt_cache`` holds it (a sliding-window layer at its window; the
+    ``full_bytes`` of results files measured before it meant the model's own cache count such layers at
+    full length, so it is not read here)."""
     kept = [r["kept_bytes"] for r in rows if r["task"] == "fidelity" and r["arm"] == arm and "kept_bytes" in r]
     return float(np.mean(kept)) if kept else None
 
