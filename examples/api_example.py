@@ -4,7 +4,7 @@ Each document below is several times the budget, so every compressed layer evict
 printed say how many positions were seen, how many a layer kept, and the KV bytes held against
 the model's own cache.
 
-Run: .venv/bin/python examples/api_example.py   (about two minutes on 2 CPU cores)
+Run: .venv/bin/python examples/api_example.py   (a few minutes on 2 CPU cores)
 """
 
 import knorm_gen  # noqa: F401  (first, before mlx: on Linux it loads OpenBLAS for MLX)
@@ -21,7 +21,7 @@ def kept(r) -> str:
             f"of the model's own {r.full_bytes / 2**20:.1f} MiB")
 
 
-# One document (Python's reference on the `try` statement, about 1,800 tokens), one question:
+# One document (Python's reference on the `try` statement, about 2,000 tokens), one question:
 # each compressed layer keeps at most 256 of the document's tokens; the question is pinned.
 document = topics["try"]
 (summary,) = answer_questions(model, tokenizer, document, ["Summarize the text above in two sentences."],
@@ -30,7 +30,7 @@ print(summary.text.strip())
 print(kept(summary))
 
 # Several questions about one context: the context is compressed once, to 128 tokens a layer.
-document = topics["with"]  # the `with` statement, about 750 tokens
+document = topics["with"]  # the `with` statement, about 800 tokens
 for answer in answer_questions(model, tokenizer, document,
                                ["Which methods does a context manager define?", "What does __exit__ receive?"],
                                budget=128, max_tokens=32):
