@@ -488,7 +488,8 @@ preset_option = click.option(
 @click.option("--summary-json", type=click.Path(dir_okay=False), help="Write the end-of-run summary as JSON.")
 @click.option("--texts", type=click.Path(dir_okay=False), metavar="FILE.md",
               help="As the run ends, write every record's texts to FILE.md: a section per row (its id) with the "
-                   "completion, or each question and its answer (with the default output too).")
+                   "completion, or each question and its answer. It reads the output file back: the default output of "
+                   "a file or folder INPUT works; an output on stdout (-o -, or INPUT from stdin) does not.")
 @click.option("--overwrite", is_flag=True, help="Start a fresh output instead of resuming.")
 @click.option("--accept-old-records", is_flag=True,
               help="Resume over records made from other rows or settings, counting them as done.")
