@@ -26,8 +26,8 @@ from mlx_lm.generate import batch_generate
 
 from knorm_gen import EvictionConfig, GenerationConfig, generate_batch_with_eviction, generate_with_eviction
 from knorm_gen.cli import build_configs, load_job
-from knorm_gen.prompts import encode_prompt
-from knorm_gen.models import load_model
+from knorm_gen.generation.prompts import encode_prompt
+from knorm_gen.models.load import load_model
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent

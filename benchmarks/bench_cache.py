@@ -35,10 +35,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from knorm_gen import PRESETS, EvictionConfig, EvictionKVCache, cache_stats, make_eviction_cache, runtime_info
-from knorm_gen.config import early_layers
-from knorm_gen.mlx_compat import full_attention_layers
-from knorm_gen.rules import RULES, rule_needs
-from knorm_gen.rules.question import Probe
+from knorm_gen.eviction.config import early_layers
+from knorm_gen.platform.mlx_compat import full_attention_layers
+from knorm_gen.eviction.rules import RULES, rule_needs
+from knorm_gen.eviction.rules.question import Probe
 
 ARMS = ("full", "rotating", "l2norm", "keydiff", "blend", "skip30", "paper", "intrinsic")
 
@@ -57,7 +57,7 @@ def load(spec: str):
         model = llama.Model(args)
         mx.eval(model.parameters())
         return model
-    from knorm_gen.models import load_model
+    from knorm_gen.models.load import load_model
 
     return load_model(None if spec == "default" else spec)[0]
 

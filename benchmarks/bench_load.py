@@ -40,7 +40,7 @@ def readers(gguf_package: bool = True) -> dict:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    from knorm_gen.models import default_model_path
+    from knorm_gen.models.load import default_model_path
 
     path = str(default_model_path())
     t = time.perf_counter()
@@ -76,7 +76,7 @@ def timed_load(spec: str, cache: str) -> dict:
     """load_model(spec) in a fresh process; seconds for the call alone."""
     code = (
         "import time, json, warnings; warnings.simplefilter('ignore');"
-        "from knorm_gen.models import load_model;"
+        "from knorm_gen.models.load import load_model;"
         f"t = time.perf_counter(); m, tok = load_model({spec!r}); s = time.perf_counter() - t;"
         "print(json.dumps({'s': s, 'dtype': m.knorm_info['dtype']}))"
     )

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import knorm_gen  # noqa: F401  (BLAS preload first)
 from knorm_gen import EvictionConfig, answer_questions, load_model, make_eviction_cache, probe_caches
-from knorm_gen.cache import EvictionKVCache
-from knorm_gen.corpus import pydoc_sections
-from knorm_gen.engine import prefill
-from knorm_gen.prompts import context_spans, split_question_prompts
+from knorm_gen.eviction.cache import EvictionKVCache
+from knorm_gen.tuning.corpus import pydoc_sections
+from knorm_gen.generation.engine import prefill
+from knorm_gen.generation.prompts import context_spans, split_question_prompts
 
 SYSTEM = "You are a careful technical writer. The project code name is {code}. Answer in one line."
 QUESTION = "What is the project code name?"

@@ -27,8 +27,8 @@ import mlx.core as mx
 import numpy as np
 
 from knorm_gen import runtime_info
-from knorm_gen.cache import EvictionKVCache
-from knorm_gen.rules.leverage import LEVERAGE_REFRESH, LEVERAGE_RIDGE, Leverage
+from knorm_gen.eviction.cache import EvictionKVCache
+from knorm_gen.eviction.rules.leverage import LEVERAGE_REFRESH, LEVERAGE_RIDGE, Leverage
 
 SHAPES = {"smollm2": dict(heads=3, dim=64, layers=30), "gemma3": dict(heads=1, dim=256, layers=3)}
 RULES = ("low", "keydiff", "leverage")
@@ -71,7 +71,7 @@ def realistic_keys(heads: int, dim: int, t: int, seed: int) -> np.ndarray:
 
 def float64_scores(keys: np.ndarray, splits: list[int]) -> list[np.ndarray]:
     """Leverage of each block's keys, from the definition in float64 (λ set at the
-    blocks and at the decode steps that refresh it, as :mod:`knorm_gen.rules.leverage` does)."""
+    blocks and at the decode steps that refresh it, as :mod:`knorm_gen.eviction.rules.leverage` does)."""
     out, seen, lam, dim = [], 0, None, keys.shape[-1]
     for n in splits:
         seen += n

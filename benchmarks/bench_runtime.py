@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import knorm_gen.runtime as runtime  # noqa: E402  (must precede any mlx import)
+import knorm_gen.platform.runtime as runtime  # noqa: E402  (must precede any mlx import)
 
 runtime.preload_blas()
 
@@ -62,7 +62,7 @@ def matmul_arm(sizes: list[int], seconds: float) -> dict:
 def model_arm(float32: bool, prompt_tokens: int, decode_tokens: int, repeats: int, spec: str = "default") -> dict:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from knorm_gen.models import load_model
+    from knorm_gen.models.load import load_model
 
     t = time.perf_counter()
     with warnings.catch_warnings():

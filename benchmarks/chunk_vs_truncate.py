@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from documents import documents  # noqa: E402
 
 from knorm_gen import EvictionConfig, GenerationConfig, answer_questions  # noqa: E402
-from knorm_gen.evaluate import with_needle  # noqa: E402
-from knorm_gen.models import get_model, model_context_length  # noqa: E402
+from knorm_gen.tuning.evaluate import with_needle  # noqa: E402
+from knorm_gen.models.load import get_model  # noqa: E402
+from knorm_gen.platform.mlx_compat import model_context_length  # noqa: E402
 
 SUMMARY = "Summarize the text above: name each software project it describes and say in one sentence what it does."
 KEYS = "The text above contains three pass keys. List all three, numbers only."

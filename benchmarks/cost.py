@@ -19,13 +19,13 @@ Three sections, each a markdown table on stdout, every number in the JSON (``--o
    product runs a question row: probe (timed alone), prefill in 512-token blocks, then the
    question and a greedy answer of a fixed length, decoded one token at a time.
 2. **Prefill together or alone** (item 5): 8 prompt rows (a document, then "Summarize the
-   text above.") through :class:`knorm_gen.engine.BatchEngine` with
+   text above.") through :class:`knorm_gen.generation.engine.BatchEngine` with
    ``prefill_together=False`` (each probed row prefilled alone, then decoded in the batch)
    and ``True`` (mlx_lm's batch prefill of right-padded chunks), at 2k and 8k tokens:
    the wall time of the whole engine run, and whether each row got the same tokens.
 3. **The whole job**: 16 documents of 4-8k tokens (each document of 4,000+ tokens alone, cut
    at 7,600; with the bench extra installed that is 15, and the 16th is two shorter ones
-   joined), batch 8, one question each, 64 new tokens: ``knorm-batch``'s runner (``knorm_gen.job.run_batch``, the default layout at
+   joined), batch 8, one question each, 64 new tokens: ``knorm-batch``'s runner (``knorm_gen.batch.job.run_batch``, the default layout at
    ratio 4) against mlx_lm's ``batch_generate`` with a full cache and with a
    ``RotatingKVCache`` per layer holding the default's mean bytes per row, on the same token
    ids: rows/hour and peak memory.
@@ -57,16 +57,16 @@ from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from knorm_gen import EvictionConfig, GenerationConfig, cache_stats, runtime_info
-from knorm_gen.cache import make_eviction_cache, pin_caches, probe_caches
-from knorm_gen.cache import probed as is_probed
-from knorm_gen.config import RowsConfig
-from knorm_gen.engine import PREFILL_TOGETHER, BatchEngine, prefill
-from knorm_gen.evaluate import SUMMARY_QUESTION, head_tokens
-from knorm_gen.generate import prompt_request, question_request
-from knorm_gen.job import BatchOptions, run_batch
-from knorm_gen.layouts import CANDIDATES
-from knorm_gen.models import load_model
-from knorm_gen.support import model_support
+from knorm_gen.eviction.cache import make_eviction_cache, pin_caches, probe_caches
+from knorm_gen.eviction.cache import probed as is_probed
+from knorm_gen.eviction.config import RowsConfig
+from knorm_gen.generation.engine import PREFILL_TOGETHER, BatchEngine, prefill
+from knorm_gen.tuning.evaluate import SUMMARY_QUESTION, head_tokens
+from knorm_gen.generation.generate import prompt_request, question_request
+from knorm_gen.batch.job import BatchOptions, run_batch
+from knorm_gen.eviction.layouts import CANDIDATES
+from knorm_gen.models.load import load_model
+from knorm_gen.models.support import model_support
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -108,7 +108,7 @@ def count(tok: Any, text: str) -> int:
 class Texts:
     """Texts of a given length from ``benchmarks/documents.py``'s documents in their fixed
     order: consecutive documents joined by a blank line until the length is reached, then
-    cut there (``knorm_gen.evaluate.head_tokens``: at a line or sentence end). Each call
+    cut there (``knorm_gen.tuning.evaluate.head_tokens``: at a line or sentence end). Each call
     takes the documents after those the previous call used."""
 
     def __init__(self, tok: Any):
@@ -593,7 +593,7 @@ def main(argv=None) -> dict:
                     f"together {d['together']}")
         log(f"\n{sizes['together_rows']} prompt rows (a document, then \"{PROMPT_TAIL.strip()}\"), the default "
             f"layout at ratio {RATIO:g}, batch {sizes['batch_size']}, {sizes['together_max_tokens']} new tokens "
-            f"each, through knorm_gen.engine.BatchEngine: alone = prefill_together=False (each row probed and "
+            f"each, through knorm_gen.generation.engine.BatchEngine: alone = prefill_together=False (each row probed and "
             f"prefilled alone, then decoded in the batch), together = True (mlx_lm's batch prefill of right-padded "
             f"chunks). Seconds: the whole engine run (every add, then run). Speed together/alone: alone seconds over "
             f"together seconds (above 1: together is faster). Rows with other tokens: greedy outputs that differ "
@@ -610,7 +610,7 @@ def main(argv=None) -> dict:
             f"{max(d['tokens'] for d in j['documents'])} tokens (each document of {sizes['job_min']}+ tokens alone, "
             f"cut at {sizes['job_max']}; shorter ones joined in pairs or more), one question each "
             f"(\"{SUMMARY_QUESTION}\"), {j['max_tokens']} new tokens at most, batch {j['batch_size']}, greedy. "
-            f"ours_default: knorm_gen.job.run_batch (knorm-batch) with the default layout at ratio {RATIO:g}. "
+            f"ours_default: knorm_gen.batch.job.run_batch (knorm-batch) with the default layout at ratio {RATIO:g}. "
             f"mlx_batch_generate: mlx_lm.generate.batch_generate on the same token ids, full cache. mlx_rotating: the "
             f"same with a RotatingKVCache per layer of max_kv_size positions, the default's mean KV bytes per row "
             f"(mlx_lm's batch_generate ignores max_kv_size for a model with make_cache, so the caches are passed "

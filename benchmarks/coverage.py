@@ -29,13 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import knorm_gen  # noqa: E402  (BLAS preload first)
 from grid import grid_docs  # noqa: E402
 from knorm_gen import EvictionConfig  # noqa: E402
-from knorm_gen.cache import EvictionKVCache  # noqa: E402
-from knorm_gen.config import GenerationConfig  # noqa: E402
-from knorm_gen.engine import BatchEngine  # noqa: E402
-from knorm_gen.evaluate import SUMMARY_QUESTION  # noqa: E402
-from knorm_gen.generate import question_request  # noqa: E402
-from knorm_gen.layouts import CANDIDATES  # noqa: E402
-from knorm_gen.models import load_model  # noqa: E402
+from knorm_gen.eviction.cache import EvictionKVCache  # noqa: E402
+from knorm_gen.eviction.config import GenerationConfig  # noqa: E402
+from knorm_gen.generation.engine import BatchEngine  # noqa: E402
+from knorm_gen.tuning.evaluate import SUMMARY_QUESTION  # noqa: E402
+from knorm_gen.generation.generate import question_request  # noqa: E402
+from knorm_gen.eviction.layouts import CANDIDATES  # noqa: E402
+from knorm_gen.models.load import load_model  # noqa: E402
 
 
 def jaccard(a: set, b: set) -> float:

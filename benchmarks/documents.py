@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from knorm_gen.corpus import pydoc_sections
+from knorm_gen.tuning.corpus import pydoc_sections
 
 PY = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
 
@@ -182,7 +182,7 @@ def missing() -> list[str]:
 
 
 if __name__ == "__main__":  # the list, measured with the embedded model's tokenizer
-    from knorm_gen.models import load_model
+    from knorm_gen.models.load import load_model
 
     _, tok = load_model(sys.argv[1] if len(sys.argv) > 1 else None)
     docs = documents(tok)

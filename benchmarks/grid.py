@@ -1,5 +1,5 @@
 """The quality grid: layouts x compressions x documents on one model, through the public
-harness (:mod:`knorm_gen.evaluate`): summary fidelity (against the full cache's own summary,
+harness (:mod:`knorm_gen.tuning.evaluate`): summary fidelity (against the full cache's own summary,
 and the package authors' one-line summary where a document has one), a pass key inside each
 document and in two fillers, and perplexity, against the full cache and random eviction at
 equal bytes. One JSON file per run, written after every case (a rerun of the same command
@@ -12,7 +12,7 @@ resumes where it stopped).
 ``--docs A:B`` takes documents A to B-1 of :func:`documents.documents` (the fixed order);
 ``--tokens N`` cuts each to its first N tokens (a sentence end); ``--ratios`` are compressions
 (each arm keeps a document's tokens / ratio). Arms are names of
-:data:`knorm_gen.layouts.CANDIDATES`.
+:data:`knorm_gen.eviction.layouts.CANDIDATES`.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import knorm_gen  # noqa: E402  (BLAS preload first)
 from documents import documents  # noqa: E402
-from knorm_gen.evaluate import (FILLERS, Doc, Evaluator, filler_text, head_tokens, summarize,  # noqa: E402
+from knorm_gen.tuning.evaluate import (FILLERS, Doc, Evaluator, filler_text, head_tokens, summarize,  # noqa: E402
                                 with_needle)
-from knorm_gen.layouts import CANDIDATES  # noqa: E402
-from knorm_gen.models import load_model  # noqa: E402
+from knorm_gen.eviction.layouts import CANDIDATES  # noqa: E402
+from knorm_gen.models.load import load_model  # noqa: E402
 
 DEPTHS = (0.25, 0.5, 0.75)
 GRID_FILLERS = ("harbor", "recipe")  # held out of knorm-tune's fillers
@@ -47,7 +47,7 @@ def parse(argv=None) -> argparse.Namespace:
                                                          "them (a blank line between) until they reach it")
     ap.add_argument("--ratios", default="4")
     ap.add_argument("--arms", default="default,random")
-    ap.add_argument("--fillers", default=",".join(GRID_FILLERS), help="fillers of knorm_gen.evaluate.FILLERS, "
+    ap.add_argument("--fillers", default=",".join(GRID_FILLERS), help="fillers of knorm_gen.tuning.evaluate.FILLERS, "
                                                                          "a key in each ('' for none)")
     ap.add_argument("--out", help="the results file (resumed when it exists)")
     ap.add_argument("--report", help="print the table of a results file and stop")

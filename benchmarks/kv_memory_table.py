@@ -5,7 +5,7 @@
 The embedded model's rows come from ``knorm_gen.kv_memory`` (one token through real
 caches: the bytes each layer really stores, float32 here). The 8B-class rows are
 computed from its shapes (32 layers, 8 KV heads of 128, bfloat16: Llama 3.1 8B's)
-with :func:`knorm_gen.quant.bytes_per_vector`, which ``tests/test_quant.py`` checks
+with :func:`knorm_gen.eviction.quant.bytes_per_vector`, which ``tests/test_quant.py`` checks
 against real caches. Every count is per row, for the document, before pinned tokens.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import knorm_gen  # noqa: F401  (BLAS preload first)
 from knorm_gen import EvictionConfig, kv_memory, load_model
-from knorm_gen.quant import bytes_per_vector
+from knorm_gen.eviction.quant import bytes_per_vector
 
 TOKENS = (4096, 8192, 32768)
 BUDGET = 512

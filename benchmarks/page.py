@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from knorm_gen.evaluate import summarize  # noqa: E402
+from knorm_gen.tuning.evaluate import summarize  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "results.md"

@@ -22,9 +22,9 @@ import knorm_gen  # noqa: F401  (BLAS preload first)
 import mlx.core as mx
 import numpy as np
 
-from knorm_gen.mlx_compat import make_prompt_cache, record_attention
-from knorm_gen.models import load_model
-from knorm_gen.evaluate import head_tokens
+from knorm_gen.platform.mlx_compat import make_prompt_cache, record_attention
+from knorm_gen.models.load import load_model
+from knorm_gen.tuning.evaluate import head_tokens
 
 sys.path.insert(0, str(Path(__file__).parent))
 from documents import documents  # noqa: E402

@@ -2,27 +2,27 @@
 question rule (the default), the paper's L2Norm rule and others on one machinery."""
 
 # Must run before anything imports mlx.core: MLX resolves BLAS symbols at load.
-from .runtime import preload_blas as _preload_blas
+from .platform.runtime import preload_blas as _preload_blas
 
 _preload_blas()
 
-from .cache import (BatchEvictionKVCache, BatchL2NormKVCache, EvictionKVCache, L2NormKVCache,  # noqa: E402
+from .eviction.cache import (BatchEvictionKVCache, EvictionKVCache,  # noqa: E402
                     make_eviction_cache, probe_caches)
-from .config import KEEP_MODES, PRESETS, EvictionConfig, GenerationConfig, ResolvedEviction  # noqa: E402
-from .generate import (  # noqa: E402
+from .eviction.config import KEEP_MODES, PRESETS, EvictionConfig, GenerationConfig, ResolvedEviction  # noqa: E402
+from .generation.generate import (  # noqa: E402
     answer_questions,
     generate_batch_with_eviction,
     generate_with_eviction,
     stream_batch_with_eviction,
     stream_with_eviction,
 )
-from .memory import CacheStats, KVMemory, cache_stats, kv_memory  # noqa: E402
-from .models import load_model  # noqa: E402
-from .prompts import PromptTooLongError  # noqa: E402
-from .results import GenerationResult  # noqa: E402
-from .runtime import runtime_info  # noqa: E402
-from .support import ModelSupport, UnsupportedModelError, model_support  # noqa: E402
-from .tune import NoTuningError, tuned_config  # noqa: E402
+from .eviction.memory import CacheStats, KVMemory, cache_stats, kv_memory  # noqa: E402
+from .models.load import load_model  # noqa: E402
+from .generation.prompts import PromptTooLongError  # noqa: E402
+from .generation.results import GenerationResult  # noqa: E402
+from .platform.runtime import runtime_info  # noqa: E402
+from .models.support import ModelSupport, UnsupportedModelError, model_support  # noqa: E402
+from .generation.tunings import NoTuningError, tuned_config  # noqa: E402
 
 __version__ = "0.13.0"
 
@@ -30,7 +30,6 @@ __all__ = [
     "KEEP_MODES",
     "PRESETS",
     "BatchEvictionKVCache",
-    "BatchL2NormKVCache",
     "EvictionKVCache",
     "ModelSupport",
     "NoTuningError",
@@ -40,7 +39,6 @@ __all__ = [
     "GenerationConfig",
     "GenerationResult",
     "KVMemory",
-    "L2NormKVCache",
     "PromptTooLongError",
     "ResolvedEviction",
     "answer_questions",

@@ -1,7 +1,7 @@
 """Command line: ``knorm-batch``, ``knorm-generate`` (and ``knorm-probe``). Parse options, call the library.
 
 The eviction and generation options are generated from the fields of
-:class:`~knorm_gen.config.EvictionConfig` and :class:`~knorm_gen.config.GenerationConfig`
+:class:`~knorm_gen.eviction.config.EvictionConfig` and :class:`~knorm_gen.eviction.config.GenerationConfig`
 (name, default and help come from each field), and job files use the same names
 in their ``[eviction]`` and ``[generation]`` tables; ``tests/test_cli.py`` checks
 that every field is reachable from both surfaces. mlx_lm's names work too:
@@ -12,7 +12,7 @@ with the name of the settings that bound the cache here (``--budget``, ``--ratio
 A field's help speaks of rows and batches in ``knorm-batch``; ``knorm-generate``
 takes its own wording from :data:`GENERATE_HELP`. ``knorm-generate``'s prompt
 cache (``--save-prompt-cache``, ``--prompt-cache-file``) lives in
-:mod:`knorm_gen.prompt_cache`.
+:mod:`knorm_gen.generation.prompt_cache`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,11 @@ import click
 from click.core import ParameterSource
 
 from . import __version__
-from .admission import parse_size
-from .config import (
+from .generation.admission import parse_size
+from .tuning.calibrate import settle
+from .eviction.legacy import current_settings
+from .eviction.config import (
+    DEFAULT_RATIO,
     EVICTION_FIELDS,
     GENERATION_FIELDS,
     ROWS_FIELDS,
@@ -44,9 +47,9 @@ from .config import (
     ResolvedEviction,
     make_configs,
 )
-from .evaluate import TUNE_FILLERS
-from .generate import stream_with_eviction
-from .job import (
+from .tuning.evaluate import TUNE_FILLERS
+from .generation.generate import stream_with_eviction
+from .batch.job import (
     EXIT_INTERNAL_ERROR,
     EXIT_IO_ERROR,
     EXIT_INTERRUPTED,
@@ -58,14 +61,14 @@ from .job import (
     prepare_tokenizer,
     run_batch,
 )
-from .support import describe_model
-from .layouts import CANDIDATES, describe
-from .memory import kv_memory
-from .models import get_model
-from .sink import budget_warning, silence_stdout
-from .sources import DEFAULT_GLOBS, PDF_EXTRA
-from .tune import (DOC_TOKENS, QUICK_ARMS, QUICK_DOCS, SWEEP_RATIOS, TUNE_ARMS, TUNE_DOCS, bounded, save_tuning,
-                   tune)
+from .models.support import describe_model
+from .eviction.layouts import CANDIDATES, describe
+from .eviction.memory import kv_memory
+from .models.load import get_model
+from .batch.sink import budget_warning, silence_stdout
+from .batch.sources import DEFAULT_GLOBS, PDF_EXTRA
+from .tuning.tune import DOC_TOKENS, QUICK_ARMS, QUICK_DOCS, SWEEP_RATIOS, TUNE_ARMS, TUNE_DOCS, bounded, tune
+from .generation.tunings import save_tuning
 
 RUN_KEYS = ("input", "output", "model", "batch_size", "stats_log", "summary_json", "texts", "limit", "max_kv_memory",
             "extra_eos_tokens", "chat_template_config", "adapter_path", "trust_remote_code", "glob", "calibrate")
@@ -150,7 +153,7 @@ class _Choice(click.Choice):
         try:
             return super().convert(value, param, ctx)
         except click.BadParameter as e:
-            from .config import RULE_HINTS
+            from .eviction.config import RULE_HINTS
 
             key = str(value).strip().lower().replace("-", "").replace("_", "")
             if key in RULE_HINTS and "low" in self.choices:
@@ -355,7 +358,7 @@ def load_job(path: str) -> dict:
     variables are not), and relative paths resolve against the file's folder.
     Config values in text form (``budget = "none"``, ``skip_layers = "0-8"``) are
     parsed by their field's parser and every value is checked by the configs."""
-    flat = _flatten_job(path, _read_toml(path))
+    flat = current_settings(_flatten_job(path, _read_toml(path)))
     _check_run_keys(path, flat)
     try:
         for key, value in flat.items():
@@ -552,7 +555,7 @@ def _check_first_row(path: Any, shape: Any) -> None:
     (``text`` where the run reads ``context``): every row would fail alike, so it is a usage
     error before the model loads, naming the option that fixes it. Anything else a first row
     gets wrong is its own error record, as ever."""
-    from .rows import RowError, parse_row
+    from .batch.rows import RowError, parse_row
 
     if not isinstance(path, str) or path == "-" or not Path(path).expanduser().is_file():
         return
@@ -571,11 +574,12 @@ def _check_first_row(path: Any, shape: Any) -> None:
 
 
 def _run(ctx: click.Context, settings: dict, options: BatchOptions, quiet: bool) -> None:
-    from .distributed import PeerLost, group as launch_group
+    from .batch.distributed import PeerLost, group as launch_group
 
     group = launch_group()  # one process unless started by mlx.launch
     try:
-        summary = run_batch(settings["input"], settings.get("output"), options, progress=not quiet, group=group)
+        summary = run_batch(settings["input"], settings.get("output"), options, progress=not quiet, group=group,
+                            calibrator=settle)
     except BatchUsageError as e:
         if group.rank:  # every rank reaches the same verdict; rank 0 says it
             ctx.exit(EXIT_USAGE)
@@ -720,7 +724,7 @@ def _make_save_folder(path: Optional[str]) -> None:
     before the model loads; a folder that cannot be made is a usage error."""
     if not path:
         return
-    from .prompt_cache import SUFFIX
+    from .generation.prompt_cache import SUFFIX
 
     target = Path(path).expanduser()
     if target.suffix != SUFFIX or target.parent.is_dir():
@@ -768,7 +772,7 @@ def _layout(model: Any, tokenizer: Any, eviction: EvictionConfig, preset: Option
     """``eviction`` with --preset auto's layout (the model's saved tuning, said on stderr)."""
     if preset != "auto":
         return eviction
-    from .tune import auto_config, run_ratio
+    from .generation.tunings import auto_config, run_ratio
 
     try:
         eviction, note = auto_config(model, eviction, auto_layout({**opts, "preset": preset}),
@@ -826,8 +830,8 @@ def _stream_text(ctx: click.Context, pieces: Any) -> Any:
 def _save_document(ctx: click.Context, text: str, path: str, questions: tuple, loaded: tuple,
                    eviction: EvictionConfig, generation: GenerationConfig, run: BatchOptions, verbose: bool) -> None:
     """--save-prompt-cache: the document compressed and saved; its numbers on stderr."""
-    from .engine import needs_probe
-    from .prompt_cache import save_document
+    from .generation.engine import needs_probe
+    from .generation.prompt_cache import save_document
 
     model, tokenizer = loaded
     resolved = _for_model(eviction, model)
@@ -854,7 +858,7 @@ def _save_document(ctx: click.Context, text: str, path: str, questions: tuple, l
 
 def save_line(report: Any) -> str:
     """The line --save-prompt-cache ends with: what was saved, and how to ask it."""
-    from .memory import mib
+    from .eviction.memory import mib
 
     return (f"knorm-generate: saved {report.path} ({mib(report.file_bytes)}): a document of {report.document_tokens} "
             f"tokens ({report.prompt_tokens} with the template), {report.tokens_kept} positions kept per compressed "
@@ -867,7 +871,7 @@ def _ask_saved_document(ctx: click.Context, question: str, path: str, run: Batch
                         verbose: bool, opts: dict) -> None:
     """--prompt-cache-file: ``question`` answered after the saved document, from the file's
     caches pinned; the run's settings checked against the file's first."""
-    from .prompt_cache import DOCUMENT_SETTINGS, PromptCacheError, read_document, resolved_for, stream_answer_from
+    from .generation.prompt_cache import DOCUMENT_SETTINGS, PromptCacheError, read_document, resolved_for, stream_answer_from
 
     given = _given(ctx, opts)
     try:
@@ -901,7 +905,7 @@ def _saved_run(ctx: click.Context, saved: Any, run: BatchOptions) -> BatchOption
     the command line gives others: UsageFailure names them and the fix."""
     from dataclasses import replace
 
-    from .prompt_cache import model_id
+    from .generation.prompt_cache import model_id
 
     differ = []
     if ctx.get_parameter_source("model") == ParameterSource.COMMANDLINE and model_id(run.model) != saved.model:
@@ -923,7 +927,7 @@ def _saved_run(ctx: click.Context, saved: Any, run: BatchOptions) -> BatchOption
 def _check_saved_settings(saved: Any, preset: Optional[str], given: dict) -> None:
     """UsageFailure when the eviction or document settings the command line gives differ
     from those the document was saved with (naming each, the file's value and the fix)."""
-    from .prompt_cache import describe_differences, eviction_differences, generation_differences
+    from .generation.prompt_cache import describe_differences, eviction_differences, generation_differences
 
     if preset == "auto":
         raise UsageFailure(f"--preset auto chooses a layout before a document is compressed, and {saved.path} keeps "
@@ -941,7 +945,7 @@ def _check_saved_settings(saved: Any, preset: Optional[str], given: dict) -> Non
 
 def saved_document_line(saved: Any) -> str:
     """-v with --prompt-cache-file: what the file holds."""
-    from .memory import cache_stats, mib
+    from .eviction.memory import cache_stats, mib
 
     stats = cache_stats(saved.caches)
     asked = ("compressed for " + "; ".join(repr(q) for q in saved.questions) if saved.questions
@@ -981,10 +985,10 @@ def prompt_memory_line(memory: Any, pinned: str) -> str:
 def stats_line(result: Any, memory: Any = None, pinned: str = "the template, question and answer",
                saved_tokens: int = 0) -> str:
     """``knorm-generate``'s one line of numbers after the text. With ``memory`` (the run's
-    :class:`~knorm_gen.memory.KVMemory`) and a ceiling, the KV kept is split into what the
+    :class:`~knorm_gen.eviction.memory.KVMemory`) and a ceiling, the KV kept is split into what the
     budget holds and the pinned tokens (``pinned``: what they are) held on top of it. With
     ``saved_tokens`` (a saved document's), the prompt rate is of the tokens read after it."""
-    from .memory import mib
+    from .eviction.memory import mib
 
     read = (f" ({result.prompt_tokens - saved_tokens} read now after {saved_tokens} saved)" if saved_tokens else "")
     line = (f"knorm-generate: prompt {result.prompt_tokens} tokens{read}, kept {result.tokens_kept} of "
@@ -1005,12 +1009,12 @@ def stats_line(result: Any, memory: Any = None, pinned: str = "the template, que
 @click.option("--context-field", default="context", show_default=True,
               help="The field of DOCS holding a document, as knorm-batch's --context-field.")
 @click.option("--budget", type=click.IntRange(min=8), default=None,
-              help="The budget your runs use: every candidate keeps N tokens of each document, so the compression "
-                   "measured is each document's tokens / N, your runs' own (default: each document's tokens / "
-                   "--ratio).")
-@click.option("--ratio", type=click.FloatRange(min=1.5), default=4.0, show_default=True,
-              help="The compression your runs use: every candidate keeps each document's tokens / R (ignored with "
-                   "--budget).")
+              help="As in knorm-batch: given alone, the fixed budget your runs use (every candidate keeps N tokens "
+                   "of each document, so the compression measured is each document's tokens / N); with --ratio, a "
+                   "cap on it.")
+@click.option("--ratio", type=click.FloatRange(min=1.5), default=None,
+              help=f"As in knorm-batch: every candidate keeps each document's tokens / R (at most --budget when "
+                   f"given).  [default: {DEFAULT_RATIO:g} when no --budget is given]")
 @click.option("--task", type=click.Choice(TUNE_TASKS), default="both", show_default=True,
               help="What the layout is chosen for: summarize (summary fidelity), retrieve (pass keys) or both.")
 @click.option("--job", hidden=True, expose_value=False, callback=_refusal(TUNE_JOB_HINT))
@@ -1060,6 +1064,8 @@ def tune_command(docs: Optional[str], model: str, context_field: str, budget: Op
     Without DOCS it measures the long sections of CPython's pydoc_data.topics.
     Exit status: 0 done, 2 usage error (before any measurement), 130 interrupted.
     """
+    if ratio is None and budget is None:
+        ratio = DEFAULT_RATIO
     sweep = _sweep_ratios(sweep_ratios) if sweep_ratios else \
         SWEEP_RATIOS if target_fidelity is not None or target_keys is not None else ()
     names = _tune_arms(arms, quick)
@@ -1068,8 +1074,9 @@ def tune_command(docs: Optional[str], model: str, context_field: str, budget: Op
         loaded, tokenizer = get_model(model)
     except (BatchUsageError, ValueError) as e:
         raise UsageFailure(str(e)) from None
-    lengths = _tune_lengths(tokenizer, documents, doc_tokens, budget)
-    at = f"your runs' budget {budget} (about {sum(lengths) / len(lengths) / budget:.1f}x)" if budget else f"{ratio:g}x"
+    lengths = _tune_lengths(tokenizer, documents, doc_tokens, None if ratio is not None else budget)
+    at = (f"your runs' budget {budget} (about {sum(lengths) / len(lengths) / budget:.1f}x)" if ratio is None
+          else f"{ratio:g}x" + (f" capped at {budget} tokens" if budget is not None else ""))
     click.echo(f"knorm-tune: {len(names)} candidates on {len(documents)} document(s) of about "
                f"{sum(lengths) // len(lengths)} tokens at {at}, task {task}", err=True)
     try:
@@ -1158,8 +1165,8 @@ def _tune_documents(path: Optional[str], field: str, limit: int) -> list:
     """The documents to tune on: DOCS' rows, or the shipped corpus. UsageFailure names a bad file."""
     import json
 
-    from .corpus import pydoc_sections
-    from .evaluate import Doc
+    from .tuning.corpus import pydoc_sections
+    from .tuning.evaluate import Doc
 
     if path is None:
         shipped = [Doc(f"pydoc:{name}", text) for name, text in pydoc_sections(min_chars=9000)[:limit]]
@@ -1271,8 +1278,8 @@ def _tune_plot(record: dict, path: Path) -> None:
 
 
 def probe_command() -> None:
-    """``knorm-probe``: the key-norm / attention probe (lives in :mod:`knorm_gen.probe`)."""
-    from .probe import probe_cli
+    """``knorm-probe``: the key-norm / attention probe (lives in :mod:`knorm_gen.tuning.probe`)."""
+    from .tuning.probe import probe_cli
 
     probe_cli()
 

@@ -7,7 +7,7 @@ page cannot drift from the code. ``tests/test_docs.py`` checks the page equals w
     .venv/bin/python scripts/config_tables.py --check  # exit 1 when they are stale
 
 Each table lies between ``<!-- fields:CLASS -->`` and ``<!-- /fields -->`` (CLASS: a class of
-knorm_gen.config); what is between the markers is replaced, the rest of the page is kept.
+knorm_gen.eviction.config); what is between the markers is replaced, the rest of the page is kept.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import knorm_gen  # noqa: E402,F401  (BLAS preload before mlx)
-from knorm_gen import config  # noqa: E402
+from knorm_gen.eviction import config  # noqa: E402
 from knorm_gen.cli import batch_command  # noqa: E402
 
 PAGE = ROOT / "docs" / "api.md"
@@ -46,10 +46,10 @@ def default(f: Field) -> str:
 
 
 def table(cls_name: str) -> str:
-    """The markdown table of ``knorm_gen.config.<cls_name>``'s fields."""
+    """The markdown table of ``knorm_gen.eviction.config.<cls_name>``'s fields."""
     cls = getattr(config, cls_name, None)
     if cls is None or not hasattr(cls, "__dataclass_fields__"):
-        raise SystemExit(f"{PAGE}: <!-- fields:{cls_name} --> names no settings class of knorm_gen.config")
+        raise SystemExit(f"{PAGE}: <!-- fields:{cls_name} --> names no settings class of knorm_gen.eviction.config")
 
     def cell(text: str) -> str:
         return str(text).replace("|", "\\|").replace("\n", " ")

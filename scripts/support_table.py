@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import knorm_gen  # noqa: E402,F401  (BLAS preload before mlx)
-from knorm_gen.support import model_support, support_row  # noqa: E402
+from knorm_gen.models.support import model_support, support_row  # noqa: E402
 from tests import zoo  # noqa: E402
 
 START, END = "<!-- support table: scripts/support_table.py -->", "<!-- end of support table -->"

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
-from knorm_gen.rules.keydiff import BLEND_WEIGHT
-from knorm_gen.rules.leverage import LEVERAGE_REFRESH, LEVERAGE_RIDGE
+from knorm_gen.eviction.rules.keydiff import BLEND_WEIGHT
+from knorm_gen.eviction.rules.leverage import LEVERAGE_REFRESH, LEVERAGE_RIDGE
 
 
 def tiny_llama(layers: int = 3, seed: int = 0, layer_types=None, sliding_window=None, vocab: int = 97,
@@ -86,7 +86,7 @@ class RecordingModel:
     """A model that records every token block it is called with, then delegates."""
 
     def __init__(self, model):
-        from knorm_gen.support import model_support
+        from knorm_gen.models.support import model_support
 
         model_support(model)  # the model check's own few tokens run now, not among the recorded calls
         self._model = model

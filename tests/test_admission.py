@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from knorm_gen.admission import BATCH_STEP, KVLimit, KVNeed, batch_bytes, parse_size, sequence_need
-from knorm_gen.config import EvictionConfig
-from knorm_gen.memory import KVMemory, kv_memory
-from knorm_gen.models import load_model
+from knorm_gen.generation.admission import BATCH_STEP, KVLimit, KVNeed, batch_bytes, parse_size, sequence_need
+from knorm_gen.eviction.config import EvictionConfig
+from knorm_gen.eviction.memory import KVMemory, kv_memory
+from knorm_gen.models.load import load_model
 
 from .conftest import document_span
 from .test_summarize import QUESTION, TEXTS, corpus, invoke, records
@@ -47,8 +47,8 @@ def test_needs_count_bounded_layers_at_their_cap_and_the_rest_padded_to_the_long
 
 
 def test_kv_limit_tracks_what_is_in_flight_and_its_peak(tiny):
-    from knorm_gen.engine import Request
-    from knorm_gen.config import GenerationConfig
+    from knorm_gen.generation.engine import Request
+    from knorm_gen.eviction.config import GenerationConfig
 
     model, _ = tiny
     eviction = EvictionConfig(budget=8).for_model(model)
@@ -74,7 +74,7 @@ def _need(tiny, text, budget=24, max_tokens=4):
     the document, past the four sinks, and the question and answer; a layer that keeps
     every token: everything)."""
     from knorm_gen import EvictionConfig
-    from knorm_gen.prompts import question_prompts
+    from knorm_gen.generation.prompts import question_prompts
 
     model, tok = tiny
     _, ctx, (q,) = question_prompts(model, tok, text, [QUESTION], chat=None, question_separator="\n\n")

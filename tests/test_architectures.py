@@ -21,11 +21,11 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from knorm_gen import EvictionConfig, answer_questions, generate_batch_with_eviction, generate_with_eviction
-from knorm_gen.cache import EvictionKVCache, make_eviction_cache
-from knorm_gen.config import GenerationConfig, RowsConfig, make_configs
-from knorm_gen.job import BatchOptions, run_batch
-from knorm_gen.mlx_compat import UnsupportedModelError
-from knorm_gen.support import model_support, support_row
+from knorm_gen.eviction.cache import EvictionKVCache, make_eviction_cache
+from knorm_gen.eviction.config import GenerationConfig, RowsConfig, make_configs
+from knorm_gen.batch.job import BatchOptions, run_batch
+from knorm_gen.platform.mlx_compat import UnsupportedModelError
+from knorm_gen.models.support import model_support, support_row
 
 from . import zoo
 from .test_rules import assert_best_up_to_near_ties

@@ -116,7 +116,7 @@ def test_run_all_quick_matches_the_documented_schema(tmp_path, tiny_model_dir):
 
 
 def test_fidelity_references_are_cut_at_their_first_loop():
-    from knorm_gen.evaluate import cut_repetition
+    from knorm_gen.tuning.evaluate import cut_repetition
 
     loop = [5, 6, 7, 8, 9, 10, 11, 12]
     assert cut_repetition([1, 2] + loop + loop + [3]) == [1, 2] + loop  # the second copy starts the loop

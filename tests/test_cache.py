@@ -1,27 +1,28 @@
-"""L2NormKVCache against independent references: plain KVCache runs, numpy
-rankings of recorded keys, and explicit-mask attention. Then BatchL2NormKVCache on
+"""EvictionKVCache against independent references: plain KVCache runs, numpy
+rankings of recorded keys, and explicit-mask attention. Then BatchEvictionKVCache on
 identical key tensors: each row alone in a single-row cache, a numpy ranking, and
 attention computed per row with an explicit causal mask."""
 
 import copy
+import json
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 
-from knorm_gen import EvictionConfig, L2NormKVCache, cache_stats, make_eviction_cache
-from knorm_gen.cache import BatchL2NormKVCache
-from knorm_gen.mlx_compat import own_layer_masks
-from knorm_gen.rules import RULES
-from knorm_gen.selection import PAD
+from knorm_gen import EvictionConfig, EvictionKVCache, cache_stats, make_eviction_cache
+from knorm_gen.eviction.cache import BatchEvictionKVCache
+from knorm_gen.platform.mlx_compat import own_layer_masks
+from knorm_gen.eviction.rules import RULES
+from knorm_gen.eviction.selection import PAD
 
 RUNNING = {name for name, rule in RULES.items() if rule.needs == "running"}
 
 from .conftest import numpy_running_kept, random_tokens, tiny_llama
 
 
-class RecordingCache(L2NormKVCache):
+class RecordingCache(EvictionKVCache):
     """Records every key block offered to the cache (post-RoPE), in arrival order."""
 
     def __init__(self, *args, **kwargs):
@@ -139,7 +140,7 @@ def test_exact_norm_ties_break_by_position():
     ids = np.array([0, 1, 0, 2, 1, 0, 0, 2, 1, 1, 0, 2, 2, 0])
     keys = mx.array(base[ids][None, None])  # (1, 1, 14, 8)
     for splits in ([14], [1] * 14, [3, 4, 1, 6]):
-        cache = L2NormKVCache(budget=6, n_sink=1, keep="low")
+        cache = EvictionKVCache(budget=6, n_sink=1, keep="low")
         start = 0
         for size in splits:
             cache.update_and_fetch(keys[:, :, start : start + size], keys[:, :, start : start + size])
@@ -183,7 +184,7 @@ def test_path_independence_on_identical_keys(budget, n_sink, recent, keep):
     split_sets.append([budget + 1, 1, 1, 5, 1, t - budget - 10, 1])  # decode slots, then a block
     kept = []
     for splits in split_sets:
-        cache = L2NormKVCache(budget, n_sink, recent, keep)
+        cache = EvictionKVCache(budget, n_sink, recent, keep)
         feed_keys(cache, keys, splits)
         assert cache.offset == t and cache.tokens_kept == budget
         kept.append(kept_positions(cache))
@@ -298,7 +299,7 @@ def test_save_load_round_trip_continues_identically(tmp_path, tiny_model, keep):
     loaded = load_prompt_cache(path)
     assert [type(c).__name__ for c in loaded] == [type(c).__name__ for c in caches]
     for c, l in zip(caches, loaded):
-        if keep != "low" and isinstance(c, L2NormKVCache):  # the running state travels with the cache
+        if keep != "low" and isinstance(c, EvictionKVCache):  # the running state travels with the cache
             np.testing.assert_array_equal(np.array(l.state_of_rule), np.array(c.state_of_rule))
     for step in [4, 9, 1, 7]:
         x = mx.array([[step]])
@@ -309,11 +310,38 @@ def test_save_load_round_trip_continues_identically(tmp_path, tiny_model, keep):
     np.testing.assert_array_equal(np.array(a), np.array(b))
 
 
+def test_a_prompt_cache_saved_in_the_older_positional_form_under_the_old_class_name_still_loads(tmp_path, tiny_model):
+    # Before the saved state named its settings, a single-row cache saved 20 positional slots under its
+    # old class name; written here by hand, as mlx_lm's save_prompt_cache wrote it then.
+    from knorm_gen.eviction.legacy import OLD_CACHE_CLASSES
+
+    OLD_NAME = next(old for old, new in OLD_CACHE_CLASSES.items() if new == "EvictionKVCache")
+    tokens = random_tokens(40, seed=2)
+    caches = make_eviction_cache(tiny_model, EvictionConfig(budget=10, skip_layers=(0,), keep="keydiff"))
+    feed(tiny_model, caches, tokens[:35], [20, 15])
+    old = []
+    for c in caches:
+        if isinstance(c, EvictionKVCache):
+            old.append((OLD_NAME, [c.keys, c.values, c.rank, c.free, c.count, c.offset, c.budget, c.n_sink,
+                                          c.recent, "keydiff", 0, c.state_of_rule, json.dumps(c.row_spans),
+                                          c.coverage, 0, c.kv_group_size, "mean", 0.0, 0.0, c.salt]))
+        else:
+            old.append((type(c).__name__, c.state))
+
+    path = str(tmp_path / "old.safetensors")
+    save_prompt_cache(path, [type(name, (), {"state": state})() for name, state in old])  # named as saved then
+    loaded = load_prompt_cache(path)
+    assert [type(c) for c in loaded] == [type(c) for c in caches]
+    for step in [4, 9, 1]:
+        x = mx.array([[step]])
+        np.testing.assert_array_equal(np.array(tiny_model(x, cache=caches)), np.array(tiny_model(x, cache=loaded)))
+
+
 def test_make_eviction_cache_keeps_sliding_window_layers_and_skips():
     types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
     model = tiny_llama(layers=4, layer_types=types, sliding_window=8)
     caches = make_eviction_cache(model, EvictionConfig(keep="low", budget=16, skip_layers=(2,)))
-    assert isinstance(caches[0], L2NormKVCache)
+    assert isinstance(caches[0], EvictionKVCache)
     assert isinstance(caches[1], RotatingKVCache) and caches[1].max_size == 8
     assert type(caches[2]) is KVCache
     assert isinstance(caches[3], RotatingKVCache)
@@ -340,7 +368,7 @@ def test_invalid_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field.replace("+", r"\+")):
         EvictionConfig(**kwargs)
     with pytest.raises(ValueError, match=field.replace("+", r"\+")):
-        L2NormKVCache(**kwargs)
+        EvictionKVCache(**kwargs)
 
 
 def test_skip_layer_out_of_range(tiny_model):
@@ -384,7 +412,7 @@ def test_copy_is_independent_and_pin_stops_eviction(tiny_model):
 
 
 def test_trim_only_before_eviction(tiny_model):
-    c = L2NormKVCache(budget=8, n_sink=1)
+    c = EvictionKVCache(budget=8, n_sink=1)
     k = mx.random.normal((1, 2, 6, 16))
     c.update_and_fetch(k, k)
     assert c.is_trimmable() and c.trim(2) == 2 and c.offset == 4 and c.size() == 4
@@ -411,7 +439,7 @@ def test_layer_budgets_override_single_layers(tiny_model):
 def test_layer_keep_sets_the_rule_of_single_layers(tiny_model, tmp_path):
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-    from knorm_gen.config import parse_layer_keep
+    from knorm_gen.eviction.config import parse_layer_keep
 
     config = EvictionConfig(budget=8, keep="blend", early_keep="blend", layer_keep=parse_layer_keep("0:low,-1:leverage"))
     caches = make_eviction_cache(tiny_model, config)
@@ -434,7 +462,7 @@ def test_layer_keep_sets_the_rule_of_single_layers(tiny_model, tmp_path):
 
 
 def test_the_default_bounds_every_layer_with_the_question_rule_and_the_blend_pairs_with_early_leverage():
-    from knorm_gen.memory import kv_memory
+    from knorm_gen.eviction.memory import kv_memory
 
     config = EvictionConfig(budget=8)
     assert (config.keep, config.question_score, config.carry, config.early_keep, config.coverage,
@@ -442,7 +470,7 @@ def test_the_default_bounds_every_layer_with_the_question_rule_and_the_blend_pai
     model = tiny_llama(layers=10)
     caches = make_eviction_cache(model, config)
     # every layer the question rule, no coverage, a quarter of the budget recent: int(0.25 * 8)
-    assert all(isinstance(c, L2NormKVCache) and c.keep == "question" and c.question_score == "mean"
+    assert all(isinstance(c, EvictionKVCache) and c.keep == "question" and c.question_score == "mean"
                and c.carry == 0.25 and c.coverage == 0.0 and c.recent == 2 for c in caches)
     # --preset intrinsic: 30% of 10 layers, counted by hand, take leverage, the other seven the blend
     intrinsic = make_eviction_cache(model, EvictionConfig(budget=8, keep="blend", coverage=0.25))
@@ -460,8 +488,8 @@ def test_the_default_bounds_every_layer_with_the_question_rule_and_the_blend_pai
 
 
 def test_skip_layers_none_is_the_first_30_percent(tiny_model):
-    from knorm_gen.config import early_layers
-    from knorm_gen.memory import kv_memory
+    from knorm_gen.eviction.config import early_layers
+    from knorm_gen.eviction.memory import kv_memory
 
     assert early_layers(30) == tuple(range(9))
     assert early_layers(3) == (0, 1) and early_layers(1) == (0,)
@@ -478,18 +506,18 @@ def test_skip_layers_none_is_the_first_30_percent(tiny_model):
     hybrid = tiny_llama(layers=9, layer_types=types, sliding_window=8)
     assert EvictionConfig(budget=8, skip_layers=None).for_model(hybrid).skip_layers == (3, 5)
     caches = make_eviction_cache(hybrid, EvictionConfig(budget=8, skip_layers=None))
-    assert [i for i, c in enumerate(caches) if isinstance(c, L2NormKVCache)] == [6, 8]
+    assert [i for i, c in enumerate(caches) if isinstance(c, EvictionKVCache)] == [6, 8]
 
 
 def test_early_factor_bounds_every_layer():
-    from knorm_gen.memory import kv_memory
+    from knorm_gen.eviction.memory import kv_memory
 
     config = EvictionConfig(keep="low", budget=8, early_factor=8)
     resolved = config.resolved(30)
     assert resolved.skip_layers == () and resolved.layer_budgets == {i: 64 for i in range(9)}
     model = tiny_llama(layers=10)
     caches = make_eviction_cache(model, config)
-    assert all(isinstance(c, L2NormKVCache) for c in caches)
+    assert all(isinstance(c, EvictionKVCache) for c in caches)
     assert [c.budget for c in caches] == [64] * 3 + [8] * 7
     # the ceiling from the caches' own arrays: bytes per position x the positions each layer can hold
     model(mx.array([[0]]), cache=caches)
@@ -513,7 +541,7 @@ def test_keep_random_size_protection_and_seed():
 
     def run(seed, splits):
         mx.random.seed(seed)
-        cache = L2NormKVCache(budget, n_sink, recent, "random")
+        cache = EvictionKVCache(budget, n_sink, recent, "random")
         feed_keys(cache, keys, splits)
         return kept_positions(cache)
 
@@ -535,7 +563,7 @@ def test_keep_random_size_protection_and_seed():
     evictable = [p for p in range(t) if p not in protected]
     mean_all = np.mean([norms[0, h, p] for h in range(3) for p in evictable])
     mean_random = np.mean([norms[0, i % 3, p] for i, c in enumerate(chosen) for p in c])
-    low = L2NormKVCache(budget, n_sink, recent, "low")
+    low = EvictionKVCache(budget, n_sink, recent, "low")
     feed_keys(low, keys, [t])
     mean_low = np.mean([norms[0, h, p] for h in range(3) for p in kept_positions(low)[0, h] if p not in protected])
     spread = np.std([norms[0, h, p] for h in range(3) for p in evictable])
@@ -544,7 +572,7 @@ def test_keep_random_size_protection_and_seed():
 
 
 def test_mlx_lm_cache_protocol_is_complete():
-    from knorm_gen.mlx_compat import missing_mlx_lm_protocol
+    from knorm_gen.platform.mlx_compat import missing_mlx_lm_protocol
 
     missing = missing_mlx_lm_protocol()
     assert not missing, "the installed mlx_lm lacks: " + "; ".join(missing)
@@ -571,7 +599,7 @@ def test_kv_memory_ceiling_against_an_independent_count():
     assert cache_stats(caches).ceiling_bytes is None
 
 
-# ---- BatchL2NormKVCache: several rows in one cache ----------------------------------------
+# ---- BatchEvictionKVCache: several rows in one cache ----------------------------------------
 
 
 HEADS, DIM = 2, 8
@@ -620,11 +648,11 @@ class Feeder:
         self.values = [rng.normal(size=k.shape).astype(np.float32) for k in self.keys]
         self.fed = [0] * len(lengths)
         self.splits = [[] for _ in lengths]
-        self.singles = [L2NormKVCache(*self.settings) for _ in lengths]
-        self.batch = L2NormKVCache.merge(self.singles_empty(len(lengths)))
+        self.singles = [EvictionKVCache(*self.settings) for _ in lengths]
+        self.batch = EvictionKVCache.merge(self.singles_empty(len(lengths)))
 
     def singles_empty(self, n):
-        return [L2NormKVCache(*self.settings) for _ in range(n)]
+        return [EvictionKVCache(*self.settings) for _ in range(n)]
 
     def chunk(self, sizes):
         """One call: row b gets its next sizes[b] tokens, right-padded to the widest."""
@@ -757,15 +785,15 @@ def test_merge_of_used_single_caches_and_deepcopy(keep):
     singles, keys = [], []
     for t, splits in ((20, [15, 1, 1, 1, 1, 1]), (5, [5]), (0, [])):
         k = distinct_norm_keys(max(t, 1), rng, heads=HEADS, dim=DIM)[:, :, :t]
-        c = L2NormKVCache(*settings)
+        c = EvictionKVCache(*settings)
         start = 0
         for size in splits:
             c.update_and_fetch(mx.array(k[:, :, start : start + size]), mx.array(k[:, :, start : start + size]))
             start += size
         singles.append(c)
         keys.append(k)
-    batch = L2NormKVCache.merge(singles)
-    assert type(batch) is BatchL2NormKVCache  # never mlx_lm's plain BatchKVCache
+    batch = EvictionKVCache.merge(singles)
+    assert type(batch) is BatchEvictionKVCache  # never mlx_lm's plain BatchKVCache
     assert batch.seen == [20, 5, 0] and batch.counts == [8, 5, 0]
     for b, c in enumerate(singles[:2]):
         np.testing.assert_array_equal(kept_positions(batch.extract(b)), kept_positions(c))
@@ -797,18 +825,18 @@ def test_running_state_survives_save_load_and_copy_of_a_batch(tmp_path, keep):
     # Saved mid-run (decode holes in place, rows of different lengths) and loaded, or
     # copied: each continues exactly as the original, and the original is untouched
     # by what its copy is fed.
-    from knorm_gen.cache import copy_caches
+    from knorm_gen.eviction.cache import copy_caches
 
     rng = np.random.default_rng(21)
     rows = [distinct_norm_keys(60, rng, heads=HEADS, dim=DIM) for _ in range(2)]
-    batch, fed = L2NormKVCache.merge([L2NormKVCache(10, 2, 1, keep) for _ in rows]), [0, 0]
+    batch, fed = EvictionKVCache.merge([EvictionKVCache(10, 2, 1, keep) for _ in rows]), [0, 0]
     for sizes in ([20, 12], [1, 1], [1, 1]):
         batch_chunk(batch, rows, fed, sizes)
     path = str(tmp_path / "batch.safetensors")
     save_prompt_cache(path, [batch])
     (loaded,) = load_prompt_cache(path)
     (clone,) = copy_caches([batch])
-    assert type(loaded) is BatchL2NormKVCache and loaded.state_of_rule.shape == batch.state_of_rule.shape
+    assert type(loaded) is BatchEvictionKVCache and loaded.state_of_rule.shape == batch.state_of_rule.shape
     before = np.array(batch.state_of_rule)
     batch_chunk(clone, rows, list(fed), [7, 2])
     np.testing.assert_array_equal(np.array(batch.state_of_rule), before)
@@ -824,7 +852,7 @@ def test_running_state_survives_save_load_and_copy_of_a_batch(tmp_path, keep):
 @pytest.mark.parametrize("keep", sorted(RUNNING))
 def test_trim_takes_the_trimmed_keys_out_of_the_running_state(keep):
     keys = distinct_norm_keys(30, np.random.default_rng(6), heads=HEADS, dim=DIM)
-    trimmed, fresh = L2NormKVCache(12, 2, 1, keep), L2NormKVCache(12, 2, 1, keep)
+    trimmed, fresh = EvictionKVCache(12, 2, 1, keep), EvictionKVCache(12, 2, 1, keep)
     feed_keys(trimmed, keys[:, :, :9], [6, 1, 1, 1])
     assert trimmed.trim(3) == 3
     feed_keys(fresh, keys[:, :, :6], [6])
@@ -835,7 +863,7 @@ def test_trim_takes_the_trimmed_keys_out_of_the_running_state(keep):
 
 
 def test_left_padding_is_refused_with_a_clear_message():
-    batch = BatchL2NormKVCache(8, 2, 0, "low", batch_size=2)
+    batch = BatchEvictionKVCache(8, 2, 0, "low", batch_size=2)
     with pytest.raises(ValueError, match="right-padded"):
         batch.prepare(left_padding=[1, 0])
 
@@ -865,7 +893,7 @@ def test_the_shared_mask_trap_is_real_and_fixed():
     rows = [list(range(3, 40)), list(range(5, 14))]
 
     def caches():
-        return [KVCache(), L2NormKVCache(8, 2, 1), L2NormKVCache(8, 2, 1)]
+        return [KVCache(), EvictionKVCache(8, 2, 1), EvictionKVCache(8, 2, 1)]
 
     def batched(use_own_masks):
         per = [caches() for _ in rows]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from knorm_gen.models import get_model
+from knorm_gen.models.load import get_model
 from knorm_gen.cli import batch_command
 
 TIMING = {"prefill_s", "decode_s", "prompt_tps", "generation_tps", "peak_memory_gb"}
@@ -238,7 +238,7 @@ def test_ctrl_c_finishes_the_row_then_exits_130(tmp_path):
 
 
 def test_skip_layers_accepts_ranges():
-    from knorm_gen.config import parse_skip_layers
+    from knorm_gen.eviction.config import parse_skip_layers
 
     assert parse_skip_layers("0-3,7") == (0, 1, 2, 3, 7)
     assert parse_skip_layers("none") == ()
@@ -330,7 +330,7 @@ FIELD_VALUES = {
 def test_every_config_field_is_reachable_from_the_cli_and_job_files(tmp_path, tiny_model_dir, tiny_model_dir_64):
     from dataclasses import fields
 
-    from knorm_gen.config import EvictionConfig, GenerationConfig, RowsConfig
+    from knorm_gen.eviction.config import EvictionConfig, GenerationConfig, RowsConfig
 
     names = [f.name for f in (*fields(EvictionConfig), *fields(GenerationConfig), *fields(RowsConfig))]
     assert sorted(FIELD_VALUES) == sorted(names), "a config field has no check here: add it to FIELD_VALUES"

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from knorm_gen import records as rec
+from knorm_gen.batch import records as rec
 from knorm_gen.cli import batch_command, generate_command
-from knorm_gen.models import get_model
-from knorm_gen.rows import content_digest
+from knorm_gen.models.load import get_model
+from knorm_gen.batch.rows import content_digest
 
 REPO = Path(__file__).resolve().parents[1]
 LONG = "Tell a long story about the sea. " * 8  # about 270 tokens with the tiny model's byte tokenizer
@@ -88,7 +88,7 @@ def test_dash_h_works_on_every_command(capsys):
     for command in (batch_command, generate_command):
         result = CliRunner().invoke(command, ["-h"])
         assert result.exit_code == 0 and "Usage:" in result.stdout and "--max-kv-size" not in result.stdout
-    from knorm_gen.probe import probe_cli
+    from knorm_gen.tuning.probe import probe_cli
 
     with pytest.raises(SystemExit) as stop:
         probe_cli(["-h"])
@@ -367,19 +367,24 @@ def test_generate_is_a_console_script():
 
 
 def test_records_written_under_the_old_rule_names_resume_as_done(tmp_path, tiny):
-    # A record written when the default was spelled keep="question_both_carry" (no question_score or carry in
-    # its config) counts as done: the same settings, another spelling. Its line is kept as it was written.
+    # A record written when the default was spelled by an old rule name (no question_score or carry in its
+    # config) counts as done: the same settings, another spelling. Its line is kept as it was written.
     import json
 
-    from knorm_gen.records import fingerprint
-    from knorm_gen.rows import content_digest
+    from knorm_gen.batch.records import fingerprint
+    from knorm_gen.eviction.legacy import OLD_RULE_NAMES
+
+    def old_name(score, carry):
+        return next(n for n, f in OLD_RULE_NAMES.items() if (f["question_score"], f["carry"]) == (score, carry))
+
+    from knorm_gen.batch.rows import content_digest
 
     rows = [{"id": "r0", "prompt": "Row number 0."}, {"id": "r1", "prompt": "Row number 1."}]
     inp, out = write_rows(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
     assert invoke(inp, "-o", out, *tiny, "-q").exit_code == 0
     first, second = [json.loads(line) for line in out.read_text().splitlines()]
     old_config = {k: v for k, v in first["config"].items() if k not in ("question_score", "carry")}
-    old_config["keep"] = "question_both_carry"  # as version 0.12 wrote it, by hand
+    old_config["keep"] = old_name("mean", 0.25)  # today's default as version 0.12 wrote it, by hand
     first.update(config=old_config, completion="written by an older version",
                  fingerprint=fingerprint(content_digest(rows[0]), old_config, first["model"]))
     out.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
@@ -387,11 +392,11 @@ def test_records_written_under_the_old_rule_names_resume_as_done(tmp_path, tiny)
     result = invoke(inp, "-o", out, *tiny, "-q")
     assert result.exit_code == 0 and out.read_text() == before  # nothing ran again, nothing was refused
     # a record of other settings is still refused, naming the difference
-    old_config["keep"] = "question_carry"  # the best reading, carrying: not today's default
+    old_config["keep"] = old_name("best", 0.25)  # the best reading, carrying: not today's default
     first.update(config=old_config, fingerprint=fingerprint(content_digest(rows[0]), old_config, first["model"]))
     out.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
     result = invoke(inp, "-o", out, *tiny, "-q")
-    assert result.exit_code == 2 and "keep: question_carry -> question" in result.stderr
+    assert result.exit_code == 2 and f"keep: {old_name('best', 0.25)} -> question" in result.stderr
 
 
 # ---------------------------------------------------------------- issue 56: a newcomer's review of the commands
@@ -414,7 +419,7 @@ def test_generate_help_and_verbose_lines_speak_of_one_prompt(tiny_model_dir):
     # knorm-batch keeps the fields' own words
     from dataclasses import fields
 
-    from knorm_gen.config import GenerationConfig
+    from knorm_gen.eviction.config import GenerationConfig
 
     own = {f.name: f.metadata["help"] for f in fields(GenerationConfig)}
     batch = {p.name: p.help for p in batch_command.params}
@@ -428,7 +433,7 @@ def test_generate_help_and_verbose_lines_speak_of_one_prompt(tiny_model_dir):
 
 def test_generate_stats_line_splits_the_kv_kept_into_budget_and_pinned_tokens(tiny_model_dir):
     from knorm_gen import EvictionConfig, generate_with_eviction, kv_memory
-    from knorm_gen.memory import mib
+    from knorm_gen.eviction.memory import mib
 
     args = ["--model", tiny_model_dir, "--budget", "64", "-m", "4"]
     result = generate("-p", LONG, *args, "-v")
@@ -520,7 +525,7 @@ def test_each_command_says_what_it_does_in_its_first_sentence(capsys):
     first = _help(tune_command).split("\n\n")[1].strip()
     assert first.startswith("Measure which eviction layout") and first.count(". ") == 0, first
     assert _help(batch_command).split("\n\n")[1].strip().startswith("Run a model with KV-cache eviction over every row")
-    from knorm_gen.probe import probe_cli
+    from knorm_gen.tuning.probe import probe_cli
 
     with pytest.raises(SystemExit):
         probe_cli(["-h"])

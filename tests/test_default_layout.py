@@ -1,5 +1,5 @@
 """Today's default layout, expressed with the question rule's settings, keeps exactly the
-positions the default kept when it was a rule name of its own (``question_both_carry``):
+positions the default kept when it was a rule name of its own (an old name the translator reads):
 positions saved from the product path of commit 7857212 on fixed prompts, both models
 (tests/data/default_kept_*.json; Gemma 3's test is in test_gemma.py, beside its fixture)."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from knorm_gen import EvictionConfig, GenerationConfig, load_model
-from knorm_gen.cache import EvictionKVCache
-from knorm_gen.corpus import pydoc_sections
-from knorm_gen.engine import BatchEngine, prefill
-from knorm_gen.generate import prompt_request, question_request
+from knorm_gen.eviction.cache import EvictionKVCache
+from knorm_gen.tuning.corpus import pydoc_sections
+from knorm_gen.generation.engine import BatchEngine, prefill
+from knorm_gen.generation.generate import prompt_request, question_request
 
 DATA = Path(__file__).resolve().parent / "data"
 SECTIONS = ("with", "objects", "identifiers")

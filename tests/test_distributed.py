@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from knorm_gen.job import BatchOptions, BatchUsageError, run_batch
-from knorm_gen.distributed import Group, local_parts, part_path, shard_of
-from knorm_gen.resume import merge_records
-from knorm_gen import records as rec
-from knorm_gen.rows import Row, RowError
+from knorm_gen.batch.job import BatchOptions, BatchUsageError, run_batch
+from knorm_gen.batch.distributed import Group, local_parts, part_path, shard_of
+from knorm_gen.batch.resume import merge_records
+from knorm_gen.batch import records as rec
+from knorm_gen.batch.rows import Row, RowError
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -143,7 +143,7 @@ class TwoRanks(Group):
 
 
 def test_every_rank_hears_of_another_ranks_start_failure(tmp_path, tiny_model_dir):
-    from knorm_gen.models import load_model
+    from knorm_gen.models.load import load_model
 
     model, tok = load_model(str(tiny_model_dir))
     inp = rows(tmp_path / "rows.jsonl", n=2)

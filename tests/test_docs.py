@@ -24,11 +24,11 @@ import click
 import pytest
 
 import knorm_gen
-from knorm_gen import config as config_module
+from knorm_gen.eviction import config as config_module
 from knorm_gen.cli import JOB_KEYS, batch_command, generate_command, tune_command
-from knorm_gen.probe import make_probe_command
-from knorm_gen.records import ANSWER_FIELDS, ERROR_TYPES, RECORD_FIELDS
-from knorm_gen.rows import OVERRIDE_FIELDS
+from knorm_gen.tuning.probe import make_probe_command
+from knorm_gen.batch.records import ANSWER_FIELDS, ERROR_TYPES, RECORD_FIELDS
+from knorm_gen.batch.rows import OVERRIDE_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
 HISTORIES = ("results.md", "history.md")
@@ -37,8 +37,8 @@ API, BATCH = ROOT / "docs" / "api.md", ROOT / "docs" / "batch.md"
 COMMANDS = {"knorm-batch": batch_command, "knorm-generate": generate_command, "knorm-tune": tune_command,
             "knorm-probe": make_probe_command()}
 SETTINGS = ("EvictionConfig", "GenerationConfig", "RowsConfig")
-HARNESS = {"knorm_gen.evaluate": ("Doc", "Evaluator", "tuning_cases", "measure", "summarize", "bootstrap_interval"),
-           "knorm_gen.prompt_cache": ("save_document", "answer_from", "stream_answer_from", "read_document")}
+HARNESS = {"knorm_gen.tuning.evaluate": ("Doc", "Evaluator", "tuning_cases", "measure", "summarize", "bootstrap_interval"),
+           "knorm_gen.generation.prompt_cache": ("save_document", "answer_from", "stream_answer_from", "read_document")}
 """The public names of the two submodules a user calls (the package's own: ``knorm_gen.__all__``)."""
 
 

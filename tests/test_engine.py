@@ -10,14 +10,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from knorm_gen import (EvictionConfig, GenerationResult, L2NormKVCache, generate_batch_with_eviction,
+from knorm_gen import (EvictionConfig, GenerationResult, EvictionKVCache, generate_batch_with_eviction,
                        make_eviction_cache, stream_batch_with_eviction)
-from knorm_gen.mlx_compat import own_layer_masks
-from knorm_gen.engine import BatchEngine
-from knorm_gen.config import PRESETS, GenerationConfig
-from knorm_gen.prompts import encode_prompt
-from knorm_gen.corpus import text_of_tokens
-from knorm_gen.models import load_model
+from knorm_gen.platform.mlx_compat import own_layer_masks
+from knorm_gen.generation.engine import BatchEngine
+from knorm_gen.eviction.config import PRESETS, GenerationConfig
+from knorm_gen.generation.prompts import encode_prompt
+from knorm_gen.tuning.corpus import text_of_tokens
+from knorm_gen.models.load import load_model
 
 from .conftest import document_span, greedy_with_gaps, kept_after
 
@@ -31,7 +31,7 @@ def mt():
     return load_model()
 
 
-def scores_by_position(cache: L2NormKVCache) -> list[dict]:
+def scores_by_position(cache: EvictionKVCache) -> list[dict]:
     """Per head: kept position -> its float32 score, read back from the packed ranks."""
     rank = np.array(cache.held()[2])[0]
     pos = (rank & 0xFFFFFFFF).astype(np.int64)
@@ -40,7 +40,7 @@ def scores_by_position(cache: L2NormKVCache) -> list[dict]:
     return [dict(zip(pos[h].tolist(), score[h].tolist())) for h in range(rank.shape[0])]
 
 
-def kept_sets_agree(batch_row: L2NormKVCache, alone: L2NormKVCache) -> bool:
+def kept_sets_agree(batch_row: EvictionKVCache, alone: EvictionKVCache) -> bool:
     """True when identical; False when they differ only at near-ties; fails otherwise."""
     same = True
     for a, b in zip(scores_by_position(batch_row), scores_by_position(alone)):
@@ -101,7 +101,7 @@ def test_teacher_forced_rows_match_each_row_alone(mt, skip_layers):
     for b, caches in enumerate(alone):
         assert int(np.array(merged[-1].offset)[b]) == len(rows[b])  # true positions per row
         agree = all(kept_sets_agree(merged[i].extract(b), c) for i, c in enumerate(caches)
-                    if isinstance(c, L2NormKVCache))
+                    if isinstance(c, EvictionKVCache))
         if agree:  # same kept tokens everywhere: the logits must agree to float tolerance
             identical_rows += 1
             for g, w in zip(got[b], want[b]):
@@ -172,7 +172,7 @@ def test_probed_rows_prefilled_together_answer_as_prefilled_alone(mt):
     # The question rule probes each prompt first; its rows may then be prefilled one at a time before they
     # join the batch, or together in the batch's padded prefill (probes and carry per row in one batch
     # cache). Each row's answer is the same either way, up to a near-tie of logits (DESIGN.md section 4).
-    from knorm_gen.generate import prompt_request
+    from knorm_gen.generation.generate import prompt_request
 
     from .conftest import assert_greedy_agree
 

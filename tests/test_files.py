@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from knorm_gen.files import remove_stale_temps, replacing, rewrite_atomically
+from knorm_gen.platform.files import remove_stale_temps, replacing, rewrite_atomically
 
 
 def test_replacing_writes_whole_or_not_at_all(tmp_path):

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from knorm_gen import sources
+from knorm_gen.batch import sources
 from knorm_gen.cli import batch_command
-from knorm_gen.config import RowsConfig
-from knorm_gen.rows import MAX_LINE_BYTES, Row, RowError
+from knorm_gen.eviction.config import RowsConfig
+from knorm_gen.batch.rows import MAX_LINE_BYTES, Row, RowError
 
 REPO = Path(__file__).resolve().parents[1]
 TIMING = {"prefill_s", "decode_s", "prompt_tps", "generation_tps", "peak_memory_gb"}

@@ -16,10 +16,10 @@ import mlx_lm
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from knorm_gen import EvictionConfig, L2NormKVCache, generate_with_eviction, make_eviction_cache
-from knorm_gen import gguf as kgguf
-from knorm_gen.corpus import text_of_tokens
-from knorm_gen.models import GEMMA_270M, load_model
+from knorm_gen import EvictionConfig, EvictionKVCache, generate_with_eviction, make_eviction_cache
+from knorm_gen.models import gguf as kgguf
+from knorm_gen.tuning.corpus import text_of_tokens
+from knorm_gen.models.load import GEMMA_270M, load_model
 
 BOS = 2
 GLOBAL_LAYERS = [5, 11, 17]  # every sixth layer attends globally; the other 15 slide over 512 tokens
@@ -170,22 +170,22 @@ def test_eviction_compresses_only_global_layers(gemma):
     # the default compresses every global layer (KeyDiff); skip_layers=None (--preset retrieval) skips the
     # first 30% (at least two) of the full-attention layers: 5 and 11, as knorm-probe advises for keep-low
     default = make_eviction_cache(model, EvictionConfig(budget=256))
-    assert [i for i, c in enumerate(default) if isinstance(c, L2NormKVCache)] == GLOBAL_LAYERS
+    assert [i for i, c in enumerate(default) if isinstance(c, EvictionKVCache)] == GLOBAL_LAYERS
     retrieval = make_eviction_cache(model, EvictionConfig(budget=256, skip_layers=None))
-    assert [i for i, c in enumerate(retrieval) if isinstance(c, L2NormKVCache)] == GLOBAL_LAYERS[2:]
+    assert [i for i, c in enumerate(retrieval) if isinstance(c, EvictionKVCache)] == GLOBAL_LAYERS[2:]
     assert EvictionConfig(budget=256, skip_layers=None).for_model(model).skip_layers == tuple(GLOBAL_LAYERS[:2])
     bounded = EvictionConfig(budget=256, early_factor=8).for_model(model)
     assert bounded.skip_layers == () and bounded.layer_budgets == {i: 2048 for i in GLOBAL_LAYERS[:2]}
     for config in (EvictionConfig(budget=256, skip_layers=()),):
         caches = make_eviction_cache(model, config)
-        assert [i for i, c in enumerate(caches) if isinstance(c, L2NormKVCache)] == GLOBAL_LAYERS
+        assert [i for i, c in enumerate(caches) if isinstance(c, EvictionKVCache)] == GLOBAL_LAYERS
         for i, (c, mine) in enumerate(zip(caches, own)):
             if i not in GLOBAL_LAYERS:
                 assert type(c) is RotatingKVCache and c.max_size == 512 and type(mine) is RotatingKVCache
             else:
                 assert type(mine) is KVCache
     skipped = make_eviction_cache(model, EvictionConfig(budget=256, skip_layers=(5,)))
-    assert [i for i, c in enumerate(skipped) if isinstance(c, L2NormKVCache)] == [11, 17]
+    assert [i for i, c in enumerate(skipped) if isinstance(c, EvictionKVCache)] == [11, 17]
 
 
 def test_budget_at_least_the_prompt_equals_the_full_cache(gemma):

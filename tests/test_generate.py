@@ -10,7 +10,7 @@ import pytest
 
 from knorm_gen import (GenerationResult, PromptTooLongError, answer_questions, generate_with_eviction,
                        stream_with_eviction)
-from knorm_gen.models import load_model
+from knorm_gen.models.load import load_model
 
 from .conftest import RecordingModel, assert_greedy_agree
 from .conftest import document_span, kept_after

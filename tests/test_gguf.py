@@ -1,4 +1,4 @@
-"""Tests for knorm_gen.gguf.
+"""Tests for knorm_gen.models.gguf.
 
 Synthetic GGUFs, written with the gguf package's writer the way llama.cpp's
 converter writes them, must give the logits of an mlx_lm model built directly
@@ -20,9 +20,9 @@ from gguf.quants import dequantize, quantize
 from mlx_lm.models import gemma3_text, llama, qwen2
 from mlx_lm.models.cache import make_prompt_cache
 
-from knorm_gen import gguf as kgguf
-from knorm_gen import models
-from knorm_gen.models import ModelNotFoundError, load_model
+from knorm_gen.models import gguf as kgguf
+from knorm_gen.models import load as models
+from knorm_gen.models.load import ModelNotFoundError, load_model
 
 # llama.cpp's tensor names, spelled out here rather than taken from the gguf
 # package's table (which the loader asks), so the mapping is checked against

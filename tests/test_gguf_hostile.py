@@ -19,8 +19,8 @@ import gguf
 import numpy as np
 import pytest
 
-from knorm_gen import gguf as kgguf
-from knorm_gen.models import load_model
+from knorm_gen.models import gguf as kgguf
+from knorm_gen.models.load import load_model
 
 from .test_gguf import TOKENS, close, reference_and_gguf
 
@@ -223,7 +223,7 @@ def test_conversion_files_are_fsynced_before_the_rename(tmp_path, cache_dir, mon
 _KILLED_CONVERSION = """
 import os, sys, time
 import mlx.core as mx
-from knorm_gen.models import load_model
+from knorm_gen.models.load import load_model
 real = mx.save_safetensors
 def save_then_hang(*a, **k):
     real(*a, **k)
@@ -286,7 +286,7 @@ def test_full_disk_names_the_path_and_cause_and_loads_uncached(tmp_path, full_di
 
 _CONVERT = """
 import sys
-from knorm_gen import gguf
+from knorm_gen.models import gguf
 folder, info = gguf.ensure_converted(sys.argv[1])
 print(folder)
 """

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from knorm_gen import rows
+from knorm_gen.batch import rows
 from knorm_gen.cli import batch_command
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from knorm_gen import records as rec
+from knorm_gen.batch import records as rec
 from tests.test_hostile import CLI, REPO, ids_of, invoke, rows_file, slow_rows, wait_lines
 
 

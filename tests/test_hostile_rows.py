@@ -13,10 +13,10 @@ import pytest
 from click.testing import CliRunner
 
 from knorm_gen.cli import batch_command
-from knorm_gen.config import GenerationConfig
-from knorm_gen.distributed import part_path
-from knorm_gen.models import load_model
-from knorm_gen.prompts import encode_prompt, split_question_prompts
+from knorm_gen.eviction.config import GenerationConfig
+from knorm_gen.batch.distributed import part_path
+from knorm_gen.models.load import load_model
+from knorm_gen.generation.prompts import encode_prompt, split_question_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,8 @@ import pytest
 
 from knorm_gen import (EvictionConfig, GenerationConfig, answer_questions, generate_batch_with_eviction,
                        make_eviction_cache, probe_caches)
-from knorm_gen.job import BatchOptions, BatchUsageError, run_batch
-from knorm_gen.models import get_model
+from knorm_gen.batch.job import BatchOptions, BatchUsageError, run_batch
+from knorm_gen.models.load import get_model
 
 from .conftest import document_span, kept_after
 

@@ -9,8 +9,8 @@ from click.testing import CliRunner
 
 from knorm_gen import EvictionConfig, answer_questions, generate_with_eviction, load_model
 from knorm_gen.cli import batch_command
-from knorm_gen.config import MIN_RATIO_BUDGET
-from knorm_gen.prompts import PromptTooLongError
+from knorm_gen.eviction.config import MIN_RATIO_BUDGET
+from knorm_gen.generation.prompts import PromptTooLongError
 
 from .conftest import document_span, make_tiny_model_dir
 
@@ -138,7 +138,7 @@ def test_chunk_answers_each_piece_then_the_pieces_answers(short_context, tmp_pat
     assert all(p["tokens_seen"] <= 600 for p in info["pieces"]) and r["kept_bytes"] <= r["kv_ceiling_bytes"]
     assert [a["question"] for a in r["answers"]] == ["Summarize.", "Who?"] and r["config"]["long_documents"] == "chunk"
     # the final answers come from a pass over the pieces' answers: a second run of that pass gives them again
-    from knorm_gen.long_documents import REDUCE_HEADER
+    from knorm_gen.generation.long_documents import REDUCE_HEADER
 
     notes = "\n\n".join(REDUCE_HEADER.format(i=i + 1, n=len(info["pieces"])) + p["answer"].strip()
                         for i, p in enumerate(info["pieces"]))

@@ -1,4 +1,4 @@
-"""Tests for knorm_gen.models against the real embedded SmolLM2-135M-Instruct.
+"""Tests for knorm_gen.models.load against the real embedded SmolLM2-135M-Instruct.
 
 The model is converted from its GGUF once per module, into a temporary cache.
 """
@@ -10,10 +10,11 @@ import warnings
 
 import pytest
 
-from knorm_gen import runtime  # noqa: F401  (package import runs the BLAS preload first)
-from knorm_gen import models
-from knorm_gen.corpus import text_of_tokens
-from knorm_gen.models import ModelNotFoundError, load_model, model_context_length
+from knorm_gen.platform import runtime  # noqa: F401  (package import runs the BLAS preload first)
+from knorm_gen.models import load as models
+from knorm_gen.tuning.corpus import text_of_tokens
+from knorm_gen.models.load import ModelNotFoundError, load_model
+from knorm_gen.platform.mlx_compat import model_context_length
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from knorm_gen import EvictionConfig
 from knorm_gen import cli
-from knorm_gen.records import question_numbers
+from knorm_gen.batch.records import question_numbers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def test_make_run_installs_only_the_main_job_s_needs():
 
 
 def test_no_install_hint_names_a_release_the_index_lacks():
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "knorm_gen").glob("*.py"))]:
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "knorm_gen").rglob("*.py"))]:
         assert "knorm-gen[" not in path.read_text(), path
     assert 'pip install -e ".[pdf]"' in cli.PDF_EXTRA
 
@@ -93,7 +93,7 @@ def test_the_longdocs_job_runs_the_default_ratio_with_a_cap():
 
 def test_the_warning_says_to_import_knorm_gen_first():
     code = ("import mlx.core, warnings\nwarnings.simplefilter('always')\nimport knorm_gen\n"
-            "from knorm_gen.runtime import warn_if_slow\nwarn_if_slow(keeps_low_precision=False)")
+            "from knorm_gen.platform.runtime import warn_if_slow\nwarn_if_slow(keeps_low_precision=False)")
     env = {k: v for k, v in os.environ.items() if k != "KNORM_NO_BLAS"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
                             cwd=ROOT)
@@ -103,5 +103,5 @@ def test_the_warning_says_to_import_knorm_gen_first():
 
 
 def test_the_probe_advice_names_no_page_that_lacks_it():
-    source = (ROOT / "knorm_gen" / "probe.py").read_text()
+    source = (ROOT / "knorm_gen" / "tuning" / "probe.py").read_text()
     assert "docs/results.md" not in source

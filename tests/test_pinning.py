@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from knorm_gen import EvictionConfig, GenerationConfig, answer_questions, generate_with_eviction
-from knorm_gen.cache import BatchEvictionKVCache, EvictionKVCache, make_eviction_cache
-from knorm_gen.prompts import context_spans, encode_with_spans, split_question_prompts
-from knorm_gen.results import GenerationResult
-from knorm_gen.spans import ALL_EVICTABLE, NO_END
+from knorm_gen.eviction.cache import BatchEvictionKVCache, EvictionKVCache, make_eviction_cache
+from knorm_gen.generation.prompts import context_spans, encode_with_spans, split_question_prompts
+from knorm_gen.generation.results import GenerationResult
+from knorm_gen.eviction.spans import ALL_EVICTABLE, NO_END
 
 from .test_cache import distinct_norm_keys, feed_keys
 
@@ -117,7 +117,7 @@ def test_coverage_validation_names_the_field(bad):
 
 
 def test_coverage_always_leaves_the_rule_a_slot():
-    from knorm_gen.selection import cover_slots
+    from knorm_gen.eviction.selection import cover_slots
 
     assert cover_slots(512, 0.25, 68) == 128
     assert cover_slots(16, 0.9, 6) == 9  # 16 - (4 sinks + 2 recent) - 1
@@ -255,7 +255,7 @@ def test_every_layer_still_holds_every_instruction_token(smol, monkeypatch, batc
 
 def test_a_code_in_the_system_prompt_is_found_at_8x(smol):
     model, tok = smol
-    from knorm_gen.corpus import pydoc_sections
+    from knorm_gen.tuning.corpus import pydoc_sections
 
     context = dict(pydoc_sections())["with"] * 2
     system = "You are a helpful assistant. The project code name is Bluefin. Remember it."
@@ -269,7 +269,7 @@ def test_a_code_in_the_system_prompt_is_found_at_8x(smol):
 
 
 def test_records_keep_their_memory_promise_for_every_row_shape(tmp_path, tiny_model_dir):
-    from knorm_gen.job import BatchOptions, run_batch
+    from knorm_gen.batch.job import BatchOptions, run_batch
 
     rows = [
         {"id": "p", "prompt": "Count the ships. " * 20},
@@ -312,7 +312,7 @@ def test_recent_share_validation_names_the_field(bad):
 
 
 def test_presets_and_old_records_keep_the_eighth_window():
-    from knorm_gen.config import make_configs
+    from knorm_gen.eviction.config import make_configs
 
     for preset in ("paper", "retrieval", "summarize"):
         ev, _ = make_configs(preset=preset, budget=512)
@@ -348,7 +348,7 @@ def test_early_keep_rules_the_first_30_percent_of_the_full_attention_layers():
 
 
 def test_early_keep_validation_and_fingerprints():
-    from knorm_gen.config import make_configs
+    from knorm_gen.eviction.config import make_configs
 
     with pytest.raises(ValueError, match="early_keep must be auto or one of"):
         EvictionConfig(early_keep="median")

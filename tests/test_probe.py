@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from knorm_gen.corpus import pydoc_sections, text_of_tokens
-from knorm_gen.probe import layer_signal, probe_cli, probe_model, spearman
+from knorm_gen.tuning.corpus import pydoc_sections, text_of_tokens
+from knorm_gen.tuning.probe import layer_signal, probe_cli, probe_model, spearman
 
 from .conftest import tiny_llama
 
@@ -91,7 +91,7 @@ def test_corpus_is_real_text_in_order():
 
 
 def report_of(rhos, kinds=None, threshold=-0.1):
-    from knorm_gen.probe import LayerSignal, ProbeReport
+    from knorm_gen.tuning.probe import LayerSignal, ProbeReport
 
     kinds = kinds or ["full"] * len(rhos)
     layers = [LayerSignal(i, k, r if k == "full" else None, r, r, [r], 0.1) for i, (r, k) in enumerate(zip(rhos, kinds))]

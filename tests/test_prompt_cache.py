@@ -1,4 +1,4 @@
-"""knorm-generate --save-prompt-cache / --prompt-cache-file (knorm_gen.prompt_cache): a document
+"""knorm-generate --save-prompt-cache / --prompt-cache-file (knorm_gen.generation.prompt_cache): a document
 compressed once and saved, then asked many questions, each answer the one answer_questions gives."""
 
 import hashlib
@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from knorm_gen import answer_questions
 from knorm_gen.cli import generate_command
-from knorm_gen.models import get_model
-from knorm_gen.prompt_cache import PromptCacheError, answer_from, read_document, save_document
+from knorm_gen.models.load import get_model
+from knorm_gen.generation.prompt_cache import PromptCacheError, answer_from, read_document, save_document
 
 DOCUMENT = ("The harbour master logs every ship. The Mary sailed at dawn with forty barrels of salt. "
             "The Anne came in at noon with wool from the north. ") * 3

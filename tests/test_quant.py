@@ -14,9 +14,9 @@ from click.testing import CliRunner
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 
 from knorm_gen import EvictionConfig, cache_stats, kv_memory, make_eviction_cache
-from knorm_gen.cache import copy_caches
-from knorm_gen.cache import BatchEvictionKVCache, EvictionKVCache  # noqa: E402
-from knorm_gen.quant import dequantize
+from knorm_gen.eviction.cache import copy_caches
+from knorm_gen.eviction.cache import BatchEvictionKVCache, EvictionKVCache  # noqa: E402
+from knorm_gen.eviction.quant import dequantize
 
 from .conftest import random_tokens, tiny_llama
 

@@ -1,4 +1,4 @@
-"""knorm_gen.rules.question: the probe pass, sentence pieces and question scores, each
+"""knorm_gen.eviction.rules.question: the probe pass, sentence pieces and question scores, each
 against an independent reference (float64 numpy loops; mlx_lm's own KVCache)."""
 
 import mlx.core as mx
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from knorm_gen.mlx_compat import record_attention
-from knorm_gen.rules.question import (BEST_REACH, PROBE_DRAFT, PROBE_SINK, Probe, ProbeBatch, Question,
+from knorm_gen.platform.mlx_compat import record_attention
+from knorm_gen.eviction.rules.question import (BEST_REACH, PROBE_DRAFT, PROBE_SINK, Probe, ProbeBatch, Question,
                                       probe_queries, question_scores, repeated_pieces, segment_ids)
-from knorm_gen.spans import ALL_EVICTABLE
+from knorm_gen.eviction.spans import ALL_EVICTABLE
 
 from .conftest import greedy_with_gaps, tiny_llama
 
@@ -190,7 +190,7 @@ BUDGET = 40
 
 @pytest.fixture(scope="module")
 def tiny_loaded(tiny_model_dir):
-    from knorm_gen.models import load_model
+    from knorm_gen.models.load import load_model
 
     return load_model(str(tiny_model_dir))
 
@@ -207,11 +207,11 @@ def test_a_compressed_context_keeps_the_numpy_ranking_of_its_probe(tiny_loaded):
     # ordinary prefill; the kept set is then the float64 ranking of the question scores
     # (pieces from the prompt's text) with sinks, the recent window and the pinned
     # template protected.
-    from knorm_gen.config import PRESETS, EvictionConfig
-    from knorm_gen.engine import BatchEngine
-    from knorm_gen.generate import question_request
-    from knorm_gen.rules.question import make_probe
-    from knorm_gen.config import GenerationConfig
+    from knorm_gen.eviction.config import PRESETS, EvictionConfig
+    from knorm_gen.generation.engine import BatchEngine
+    from knorm_gen.generation.generate import question_request
+    from knorm_gen.eviction.rules.question import make_probe
+    from knorm_gen.eviction.config import GenerationConfig
 
     from .test_rules import assert_best_up_to_near_ties
 
@@ -248,10 +248,10 @@ def test_a_compressed_context_keeps_the_numpy_ranking_of_its_probe(tiny_loaded):
 def _greedy_alone(model, tok, prompt, max_tokens):
     """A single-row greedy loop through caches probed by hand (make_probe, set_probe),
     keeping each step's top-2 logit gap: the reference every product path is held to."""
-    from knorm_gen.cache import make_eviction_cache, set_probe
-    from knorm_gen.config import PRESETS, EvictionConfig
-    from knorm_gen.prompts import encode_with_spans
-    from knorm_gen.rules.question import make_probe
+    from knorm_gen.eviction.cache import make_eviction_cache, set_probe
+    from knorm_gen.eviction.config import PRESETS, EvictionConfig
+    from knorm_gen.generation.prompts import encode_with_spans
+    from knorm_gen.eviction.rules.question import make_probe
 
     ids, spans = encode_with_spans(tok, prompt, None, None)
     config = EvictionConfig(budget=BUDGET, **PRESETS["question"])
@@ -292,7 +292,7 @@ def test_question_rule_through_the_python_calls(tiny_loaded):
 
 def test_a_prompt_without_questions_is_probed_by_its_end(tiny_loaded):
     from knorm_gen import generate_with_eviction
-    from knorm_gen.rules.question import PROMPT_TAIL, make_probe
+    from knorm_gen.eviction.rules.question import PROMPT_TAIL, make_probe
 
     model, tok = tiny_loaded
     ids = tok.encode(CONTEXT + " " + QUESTION, add_special_tokens=False)
@@ -318,7 +318,7 @@ def test_a_prompt_without_questions_is_probed_by_its_end(tiny_loaded):
 def test_a_prompt_is_probed_by_the_last_paragraph_of_its_end(tiny_loaded):
     # a question written after a blank line: the probe runs that paragraph alone, exactly as if the
     # text before it were the document (the position found here from the decoded text, not by the code)
-    from knorm_gen.rules.question import PROMPT_TAIL, make_probe
+    from knorm_gen.eviction.rules.question import PROMPT_TAIL, make_probe
 
     model, tok = tiny_loaded
     ids = tok.encode(CONTEXT + "\n\n" + QUESTION, add_special_tokens=False)
@@ -341,7 +341,7 @@ def test_a_prompt_is_probed_by_the_last_paragraph_of_its_end(tiny_loaded):
     (["Some", " text", ".", "\n\n"], 0),                   # nothing after the blank line
 ])
 def test_last_paragraph_starts_after_the_last_blank_line(pieces, want):
-    from knorm_gen.rules.question import last_paragraph
+    from knorm_gen.eviction.rules.question import last_paragraph
 
     class Pieces:  # a tokenizer whose token i decodes to pieces[i]
         def decode(self, ids):
@@ -370,7 +370,7 @@ def test_a_cache_without_its_probe_keeps_the_lowest_norms_and_says_so():
     # rule then ranks by the paper's key norm, and warns naming the fix
     import warnings
 
-    from knorm_gen.cache import BatchEvictionKVCache, EvictionKVCache
+    from knorm_gen.eviction.cache import BatchEvictionKVCache, EvictionKVCache
 
     raw = np.random.default_rng(0).normal(size=(1, 2, 30, 8)).astype(np.float32)
     keys = mx.array(raw)
@@ -395,7 +395,7 @@ def test_a_cache_without_its_probe_keeps_the_lowest_norms_and_says_so():
 def test_pinned_question_caches_decode_without_a_probe_or_a_warning():
     # Once a cache pins everything it is fed (every answer of answer_questions), its probe
     # is gone and no score is needed: the fallback's warning (an error in this suite) never runs.
-    from knorm_gen.cache import BatchEvictionKVCache, EvictionKVCache
+    from knorm_gen.eviction.cache import BatchEvictionKVCache, EvictionKVCache
 
     keys = mx.array(np.random.default_rng(1).normal(size=(1, 2, 30, 8)).astype(np.float32))
     single = EvictionKVCache(12, 2, 2, "question", spans=((4, 20),))
@@ -443,7 +443,7 @@ def test_the_default_is_probed_on_every_product_path_and_by_probe_caches(tiny_lo
 
     from knorm_gen import (EvictionConfig, answer_questions, generate_batch_with_eviction, generate_with_eviction,
                            make_eviction_cache, probe_caches)
-    from knorm_gen.cache import EvictionKVCache
+    from knorm_gen.eviction.cache import EvictionKVCache
 
     model, tok = tiny_loaded
     assert (EvictionConfig().keep, EvictionConfig().question_score, EvictionConfig().carry) == ("question", "mean", 0.25)

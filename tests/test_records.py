@@ -4,8 +4,8 @@ import io
 import json
 import os
 
-from knorm_gen import records as rec
-from knorm_gen import rows
+from knorm_gen.batch import records as rec
+from knorm_gen.batch import rows
 
 
 def rows_of(data: bytes, **kw):

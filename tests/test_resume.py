@@ -3,9 +3,9 @@ of a process group's parts (no model needed)."""
 
 import pytest
 
-from knorm_gen import records as rec
-from knorm_gen.files import rewrite_atomically
-from knorm_gen.resume import OutputCorrupt, scan_output
+from knorm_gen.batch import records as rec
+from knorm_gen.platform.files import rewrite_atomically
+from knorm_gen.batch.resume import OutputCorrupt, scan_output
 
 
 def record_line(row_id, error=None):

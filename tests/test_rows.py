@@ -4,8 +4,8 @@ import io
 
 import pytest
 
-from knorm_gen import records as rec
-from knorm_gen import rows
+from knorm_gen.batch import records as rec
+from knorm_gen.batch import rows
 
 
 def rows_of(data: bytes, **kw):
@@ -26,7 +26,7 @@ def test_row_kinds_default_id_overrides_and_meta():
 
 
 def test_a_rows_budget_and_ratio_apply_on_top_of_the_runs():
-    from knorm_gen.config import EvictionConfig, make_configs
+    from knorm_gen.eviction.config import EvictionConfig, make_configs
 
     (row,) = rows_of(b'{"prompt": "p", "ratio": 8, "budget": 300}\n')
     assert row.overrides == {"ratio": 8, "budget": 300}

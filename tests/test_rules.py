@@ -1,4 +1,4 @@
-"""Every rule of :data:`knorm_gen.rules.RULES` through the shared selection machinery, and
+"""Every rule of :data:`knorm_gen.eviction.rules.RULES` through the shared selection machinery, and
 carry: one parametrised suite over every rule and setting (:func:`rule_cases`), so a rule
 added to the registry is covered the day it is added."""
 
@@ -6,11 +6,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from knorm_gen import EvictionConfig, L2NormKVCache
-from knorm_gen.cache import EvictionKVCache, make_eviction_cache, pin_caches, set_probe
-from knorm_gen.rules import RULES
-from knorm_gen.rules.question import BEST_REACH, PER_QUERY_REACH, READINGS, Probe, ProbeBatch, Question
-from knorm_gen.selection import pack_ranks, rank_positions
+from knorm_gen import EvictionConfig
+from knorm_gen.eviction.legacy import OLD_RULE_NAMES
+from knorm_gen.eviction.cache import EvictionKVCache, make_eviction_cache, pin_caches, set_probe
+from knorm_gen.eviction.rules import RULES
+from knorm_gen.eviction.rules.question import BEST_REACH, PER_QUERY_REACH, READINGS, Probe, ProbeBatch, Question
+from knorm_gen.eviction.selection import pack_ranks, rank_positions
 
 from .conftest import LeverageReference, numpy_anchored_score, numpy_running_kept, random_tokens
 from .test_cache import distinct_norm_keys, feed_keys, kept_positions
@@ -72,7 +73,7 @@ def question_reference(reading, keys, q, pieces):
 
 def rule_cache(keep, settings, keys, seed, budget=BUDGET, n_sink=N_SINK, recent=RECENT):
     """A cache for ``keep``; a probed rule gets :func:`question_probe` for these keys."""
-    cache = L2NormKVCache(budget, n_sink, recent, keep, **settings)
+    cache = EvictionKVCache(budget, n_sink, recent, keep, **settings)
     if RULES[keep].needs == "probe":
         cache.set_probe([as_probe(*question_probe(keys.shape[1], keys.shape[3], keys.shape[2], seed))])
     return cache
@@ -149,8 +150,8 @@ def test_a_batch_row_keeps_what_the_row_keeps_alone(keep, settings):
     rows = [rng.integers(-4, 5, size=(1, 2, n, 8)).astype(np.float32) for n in lengths]
     probes = [as_probe(rng.integers(-2, 3, size=(1, 2, 6, 8)).astype(np.float32), np.arange(n) // 3)
               for n in lengths]
-    singles = [L2NormKVCache(BUDGET, N_SINK, RECENT, keep, **settings) for _ in lengths]
-    batch = L2NormKVCache.merge([L2NormKVCache(BUDGET, N_SINK, RECENT, keep, **settings) for _ in lengths])
+    singles = [EvictionKVCache(BUDGET, N_SINK, RECENT, keep, **settings) for _ in lengths]
+    batch = EvictionKVCache.merge([EvictionKVCache(BUDGET, N_SINK, RECENT, keep, **settings) for _ in lengths])
     if RULES[keep].needs == "probe":
         batch.set_probe(probes)
         for c, p in zip(singles, probes):
@@ -182,7 +183,7 @@ def test_deterministic_rules_are_path_independent(keep):
     keys = distinct_norm_keys(T, np.random.default_rng(11), heads=2)
     kept = []
     for splits in ([T], [1] * T, [5, 17, 1, 1, 24]):
-        cache = L2NormKVCache(BUDGET, N_SINK, RECENT, keep)
+        cache = EvictionKVCache(BUDGET, N_SINK, RECENT, keep)
         feed_keys(cache, keys, splits)
         kept.append(kept_positions(cache))
     np.testing.assert_array_equal(kept[0], kept[1])
@@ -205,7 +206,7 @@ def test_rank_packing_orders_like_the_floats():
 @pytest.mark.parametrize("splits", [[T], [1] * T, [5, 17, 1, 1, 24], [20, 1, 1, 1, 25]])
 def test_anchored_rules_follow_a_running_mean_reference(keep, splits):
     keys = distinct_norm_keys(T, np.random.default_rng(13), heads=2)
-    cache = L2NormKVCache(BUDGET, N_SINK, RECENT, keep)
+    cache = EvictionKVCache(BUDGET, N_SINK, RECENT, keep)
     feed_keys(cache, keys, splits)
     got = kept_positions(cache)
     assert [list(g) for g in got[0]] == numpy_running_kept(keys, splits, BUDGET, N_SINK, RECENT, keep)
@@ -247,7 +248,7 @@ def test_leverage_follows_a_float64_reference_block_by_block(splits, seed):
     # where two scores were within NEAR_TIE.
     keys = distinct_norm_keys(T, np.random.default_rng(seed), heads=2)
     ref = LeverageReference(keys)
-    cache = L2NormKVCache(BUDGET, N_SINK, RECENT, "leverage")
+    cache = EvictionKVCache(BUDGET, N_SINK, RECENT, "leverage")
     held, seen = [{}, {}], 0
     for size in splits:
         block = mx.array(keys[:, :, seen : seen + size])
@@ -277,10 +278,10 @@ def test_leverage_keeps_the_keys_off_the_heads_subspace():
     odd[np.arange(6), 3 + np.arange(6) % 5] = [1.5, 1.5, 1.5, 1.5, 1.5, -1.5]
     order = rng.permutation(46)
     keys = (np.concatenate([cluster, odd])[order] + 2.0)[None, None].astype(np.float32)
-    cache = L2NormKVCache(6, 0, 0, "leverage")
+    cache = EvictionKVCache(6, 0, 0, "leverage")
     feed_keys(cache, keys, [46])
     assert sorted(kept_positions(cache)[0, 0]) == sorted(np.flatnonzero(order >= 40))
-    high = L2NormKVCache(6, 0, 0, "high")
+    high = EvictionKVCache(6, 0, 0, "high")
     feed_keys(high, keys, [46])
     assert sorted(kept_positions(high)[0, 0]) != sorted(np.flatnonzero(order >= 40))
 
@@ -293,13 +294,13 @@ def test_keydiff_keeps_the_outliers_of_a_cluster():
     odd[:, 0] = -np.abs(odd[:, 0])
     order = rng.permutation(46)
     keys = np.concatenate([base, odd])[order][None, None].astype(np.float32)
-    cache = L2NormKVCache(6, 0, 0, "keydiff")
+    cache = EvictionKVCache(6, 0, 0, "keydiff")
     feed_keys(cache, keys, [46])
     assert sorted(kept_positions(cache)[0, 0]) == sorted(np.flatnonzero(order >= 40))
 
 
 def test_presets_are_layouts_the_fields_override():
-    from knorm_gen.config import PRESETS, make_configs
+    from knorm_gen.eviction.config import PRESETS, make_configs
 
     paper, _ = make_configs(preset="paper", budget=64)
     assert (paper.keep, paper.skip_layers, paper.budget) == ("low", (0, 1), 64)
@@ -325,14 +326,24 @@ def test_presets_are_layouts_the_fields_override():
     assert set(PRESETS) == {"default", "paper", "retrieval", "summarize", "question", "intrinsic", "auto"}
 
 
-@pytest.mark.parametrize("old,fields", [
-    ("question_both_carry", ("mean", 0.25)), ("question_per_query_carry", ("per_query", 0.25)),
-    ("question_carry", ("best", 0.25)), ("question_per_query", ("per_query", 0.0))])
-def test_the_old_rule_names_read_as_the_question_rule_with_their_settings(old, fields):
-    config = EvictionConfig(keep=old, budget=64)
+@pytest.mark.parametrize("old,fields", [(name, (f["question_score"], f["carry"])) for name, f in OLD_RULE_NAMES.items()])
+def test_the_old_rule_names_are_read_where_saved_settings_are_and_refused_by_the_api(old, fields, tmp_path):
+    from knorm_gen.cli import load_job
+    from knorm_gen.eviction.legacy import current_settings
+
+    config = EvictionConfig(budget=64, **current_settings({"keep": old}))
     assert (config.keep, config.question_score, config.carry) == ("question", *fields)
     assert config.to_dict()["keep"] == "question"
-    assert EvictionConfig(keep="low", layer_keep={3: old}).layer_keep == {3: "question"}
+    assert current_settings({"layer_keep": {3: old}}) == {"layer_keep": {3: "question"}}
+    job = tmp_path / "job.toml"  # a job file written in the old spelling runs as today's settings
+    job.write_text(f'input = "in.jsonl"\n[eviction]\nkeep = "{old}"\nlayer_keep = "0-1:{old}"\n')
+    flat = load_job(str(job))
+    assert (flat["keep"], flat["question_score"], flat["carry"]) == ("question", *fields)
+    assert flat["layer_keep"] == {0: "question", 1: "question"}
+    with pytest.raises(ValueError, match="keep must be one of"):  # the API takes today's names only
+        EvictionConfig(keep=old)
+    with pytest.raises(ValueError, match="layer_keep"):
+        EvictionConfig(keep="low", layer_keep={3: old})
 
 
 def test_the_question_rules_settings_reach_the_config_only_where_a_layer_runs_it():
@@ -483,7 +494,7 @@ def test_a_batch_of_carrying_rows_keeps_what_each_row_keeps_alone():
 
     alone = [fresh(b) for b in range(len(lengths))]
     rows = [fresh(b) for b in range(len(lengths))]  # merged layer by layer, as mlx_lm's BatchGenerator merges
-    batch = [L2NormKVCache.merge([rows[b][li] for b in range(len(lengths))]) for li in range(layers)]
+    batch = [EvictionKVCache.merge([rows[b][li] for b in range(len(lengths))]) for li in range(layers)]
     assert batch[0].group is batch[2].group
     for b, caches in enumerate(alone):
         for li, c in enumerate(caches):

@@ -1,4 +1,4 @@
-"""Tests for knorm_gen.runtime (BLAS preload, float32 policy, runtime_info)."""
+"""Tests for knorm_gen.platform.runtime (BLAS preload, float32 policy, runtime_info)."""
 
 import ctypes.util
 import json
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-import knorm_gen.runtime as runtime
+import knorm_gen.platform.runtime as runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = (
-    "import json, knorm_gen.runtime as r; r.preload_blas(); "
+    "import json, knorm_gen.platform.runtime as r; r.preload_blas(); "
     "print(json.dumps(r.runtime_info()))"
 )
 
@@ -70,7 +70,7 @@ def test_preload_after_mlx_import_reports_why():
 
 
 IDEMPOTENT = """
-import ctypes, json, knorm_gen.runtime as r
+import ctypes, json, knorm_gen.platform.runtime as r
 first = r.preload_blas()
 calls = []
 def refuse(*args, **kwargs):
@@ -133,7 +133,7 @@ def test_the_slow_blas_warning_is_one_line_once_per_process():
     # source location warnings.warn shows by default ("models.py:153: RuntimeWarning: ...").
     if not runtime.on_cpu():
         pytest.skip("CPU-only warning")
-    code = ("import knorm_gen.runtime as r\n"
+    code = ("import knorm_gen.platform.runtime as r\n"
             "r._blas_path, r._blas_status = None, 'not found'\n"
             "r.warn_if_slow(keeps_low_precision=False)\nr.warn_if_slow(keeps_low_precision=False)\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "default"}

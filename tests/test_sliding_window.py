@@ -14,8 +14,8 @@ import pytest
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from knorm_gen import answer_questions, generate_with_eviction, kv_memory
-from knorm_gen.config import EvictionConfig, GenerationConfig
-from knorm_gen.job import BatchOptions, run_batch
+from knorm_gen.eviction.config import EvictionConfig, GenerationConfig
+from knorm_gen.batch.job import BatchOptions, run_batch
 
 from . import zoo
 

@@ -2,7 +2,7 @@
 tables (never below random eviction beyond its interval), degenerate references left
 out, the job's own compression measured, the saved tuning per model, bad input refused
 before any measurement, and the layout a run then uses read back from its records; the
-measurements through knorm_gen.evaluate against mlx_lm's own forward passes."""
+measurements through knorm_gen.tuning.evaluate against mlx_lm's own forward passes."""
 
 import json
 import math
@@ -14,12 +14,12 @@ import pytest
 from click.testing import CliRunner
 
 from knorm_gen.cli import batch_command, tune_command
-from knorm_gen.config import EvictionConfig
-from knorm_gen.evaluate import Evaluator, summarize, with_needle
-from knorm_gen.layouts import CANDIDATES
-from knorm_gen.models import load_model
-from knorm_gen.tune import (QUICK_ARMS, NoTuningError, auto_config, choose, degenerate_references, load_tuning,
-                            model_identity, rank, save_tuning, separation_note, tuned_config)
+from knorm_gen.eviction.config import EvictionConfig
+from knorm_gen.tuning.evaluate import Evaluator, summarize, with_needle
+from knorm_gen.eviction.layouts import CANDIDATES
+from knorm_gen.models.load import load_model
+from knorm_gen.tuning.tune import QUICK_ARMS, choose, degenerate_references, rank, separation_note
+from knorm_gen.generation.tunings import NoTuningError, auto_config, load_tuning, model_identity, save_tuning, tuned_config
 
 
 @pytest.fixture(autouse=True)
@@ -172,7 +172,7 @@ def test_a_degenerate_reference_is_named_with_why():
 
 def test_a_degenerate_reference_leaves_its_document_out_of_fidelity_and_the_table_says_so():
     from knorm_gen.cli import tune_table
-    from knorm_gen.tune import decide
+    from knorm_gen.tuning.tune import decide
 
     arms = {a: CANDIDATES[a] for a in ("default", "random")}
     rows = fidelity_rows({"random": [0.5, 0.5, 0.1], "default": [0.8, 0.4, 1.0]})
@@ -211,11 +211,14 @@ def test_no_tuning_names_the_command_and_a_saved_one_is_used(tiny_model_dir):
     # one saved before early_keep existed was measured with its rule in every layer, and keeps it
     saved(model, "intrinsic", layout=dict(keep="blend", skip_layers=(), coverage=0.25, recent_share=0.5))
     assert tuned_config(model).resolved(10).layer_keep is None
-    # a plain keep="question" saved before its settings was the best reading without carry; the old rule
-    # names are read by EvictionConfig itself
+    # a plain keep="question" saved before its settings was the best reading without carry; an old rule
+    # name is read by the translator
     saved(model, "question", layout=dict(keep="question", skip_layers=()))
     assert (tuned_config(model).question_score, tuned_config(model).carry) == ("best", 0.0)
-    saved(model, "default", layout=dict(keep="question_both_carry", skip_layers=(), recent_share=0.25))
+    from knorm_gen.eviction.legacy import OLD_RULE_NAMES
+
+    old = next(n for n, f in OLD_RULE_NAMES.items() if (f["question_score"], f["carry"]) == ("mean", 0.25))
+    saved(model, "default", layout=dict(keep=old, skip_layers=(), recent_share=0.25))
     config = tuned_config(model)
     assert (config.keep, config.question_score, config.carry) == ("question", "mean", 0.25)
 
@@ -317,9 +320,9 @@ def test_documents_without_the_field_name_it(tiny_model_dir, tmp_path):
 
 
 def test_no_documents_and_no_shipped_corpus_is_a_usage_error(tiny_model_dir, monkeypatch):
-    import knorm_gen.corpus
+    import knorm_gen.tuning.corpus
 
-    monkeypatch.setattr(knorm_gen.corpus, "pydoc_sections", lambda min_chars=0: [])
+    monkeypatch.setattr(knorm_gen.tuning.corpus, "pydoc_sections", lambda min_chars=0: [])
     result = CliRunner().invoke(tune_command, ["--model", str(tiny_model_dir)])
     assert result.exit_code == 2 and "no documents to tune on" in result.output and "DOCS" in result.output
 
@@ -376,7 +379,7 @@ def test_the_tune_table_keeps_its_columns_with_long_layout_names():
 
     entry = dict(recovered=0.77, ppl_ratio=1.2, wins_vs_random=3, fidelity_docs=4, keys_of_full=5, full_keys=5,
                  filler_keys_of_full=4, filler_full_keys=4, vs_random=0.031, vs_random_interval=(-0.01, 0.07))
-    names = ["question_per_query_carry_rec25", "low", "random", "full"]
+    names = ["a_long_candidate_name_of_30_chars", "low", "random", "full"]
     record = dict(table={n: entry for n in names}, chosen="low", layout={"keep": "low"}, why="a test")
     lines = tune_table(record).splitlines()
     end = lines[0].index("fidelity") + len("fidelity")
@@ -387,7 +390,7 @@ def test_the_tune_table_keeps_its_columns_with_long_layout_names():
 
 
 def test_the_budget_sweep_reports_the_smallest_budget_meeting_both_targets():
-    from knorm_gen.tune import budget_sweep
+    from knorm_gen.tuning.tune import budget_sweep
 
     points = [dict(ratio=8.0, budget=192, recovered=0.95, keys_of_full=3, full_keys=5),  # keys miss
               dict(ratio=6.0, budget=256, recovered=0.91, keys_of_full=5, full_keys=5),  # meets both
@@ -424,9 +427,11 @@ def test_the_sweep_at_the_tuned_ratio_repeats_the_tuning_and_budgets_follow_the_
     sweep = record["sweep"]
     assert sweep["arm"] == record["chosen"] == "low" and [p["ratio"] for p in sweep["points"]] == [4.0, 2.0]
     at_2 = sweep["points"][1]["budget"]
-    assert sweep["points"][0]["budget"] == record["budget"] and abs(at_2 - 2 * record["budget"]) <= 1
-    # at --ratio each document's arms keep its tokens / ratio
-    assert all(r["budget"] == math.ceil(r["doc_tokens"] / 4) for r in record["rows"]
+    # the document's share doubles at 2x; the four sinks before it are held on top at either ratio
+    assert sweep["points"][0]["budget"] == record["budget"] and abs((at_2 - 4) - 2 * (record["budget"] - 4)) <= 1
+    # at --ratio each document's arms keep its tokens / ratio, as the product runs it: the template's first
+    # four tokens (the sinks, before the document) are held in the budget's slots on top
+    assert all(r["budget"] == math.ceil(r["doc_tokens"] / 4) + 4 for r in record["rows"]
                if r["task"] == "ppl" and r["arm"] != "full")
     # a filler's key is asked twice: after the context (question pinned) and inside one prompt as the product
     # runs it; a document's after the context
@@ -482,7 +487,7 @@ def test_calibrate_chooses_saves_and_names_the_layout_in_every_record(tiny_model
 
 
 def test_calibrate_must_be_a_number_of_rows():
-    from knorm_gen.job import BatchOptions, BatchUsageError
+    from knorm_gen.batch.job import BatchOptions, BatchUsageError
 
     for bad in (0, True, "3"):
         with pytest.raises(BatchUsageError, match="calibrate"):
@@ -500,12 +505,12 @@ def _nll_at(logits, ids, first, last):
 
 
 def test_one_prefill_per_arm_gives_the_full_caches_nll_of_the_tail_and_of_its_summary(tiny_model_dir, monkeypatch):
-    import knorm_gen.evaluate
+    import knorm_gen.tuning.evaluate
 
     # the random tiny model's summary is one token repeated: keep it whole, so there is one to score
-    monkeypatch.setattr(knorm_gen.evaluate, "cut_repetition", lambda ids: ids)
-    from knorm_gen.evaluate import KEY_QUESTION, SUMMARY_QUESTION, Doc
-    from knorm_gen.prompts import context_spans, split_question_prompts
+    monkeypatch.setattr(knorm_gen.tuning.evaluate, "cut_repetition", lambda ids: ids)
+    from knorm_gen.tuning.evaluate import KEY_QUESTION, SUMMARY_QUESTION, Doc
+    from knorm_gen.generation.prompts import context_spans, split_question_prompts
 
     model, tok = load_model(str(tiny_model_dir))
     doc = Doc("d", "The harbor keeps a log of ships and storms. Gulls cry over the pier at noon. " * 30)
@@ -536,9 +541,9 @@ def test_prompt_mode_runs_a_whole_prompt_as_generate_with_eviction_does(tiny_mod
     # The pass key asked inside one prompt, "prompt" mode: the ids are the chat template's own
     # rendering of the user's text; the template around it is pinned (the user's text is the one
     # evictable span), and under a probed rule the last token too, as the product's Request pins it.
-    import knorm_gen.evaluate
-    from knorm_gen.evaluate import KEY_QUESTION, product_prompt
-    from knorm_gen.spans import ALL_EVICTABLE
+    import knorm_gen.tuning.evaluate
+    from knorm_gen.tuning.evaluate import KEY_QUESTION, product_prompt
+    from knorm_gen.eviction.spans import ALL_EVICTABLE
 
     model, tok = load_model(str(tiny_model_dir))
     text = "Gulls cry over the pier at noon. " * 20 + " The pass key is 12345. " + "Ships come in. " * 20
@@ -559,8 +564,8 @@ def test_prompt_mode_runs_a_whole_prompt_as_generate_with_eviction_does(tiny_mod
         assert spans == (((0, len(ids) - 1),) if pinned_last else ALL_EVICTABLE)
     # through the evaluator: the prompt mode asks the key of the full cache and of each arm
     seen = []
-    real = knorm_gen.evaluate.prefill
-    monkeypatch.setattr(knorm_gen.evaluate, "prefill", lambda m, ids, caches, step: seen.append(list(ids)) or
+    real = knorm_gen.tuning.evaluate.prefill
+    monkeypatch.setattr(knorm_gen.tuning.evaluate, "prefill", lambda m, ids, caches, step: seen.append(list(ids)) or
                         real(m, ids, caches, step))
     rows = Evaluator(model, tok, {"random": CANDIDATES["random"]}, modes=("prompt",)).passkey("d", text, "12345", 0.5)
     assert {(r["arm"], r["mode"]) for r in rows} == {("full", "prompt"), ("random", "prompt")}
@@ -573,8 +578,8 @@ def test_a_ctq_pass_key_is_asked_after_the_context_as_mlx_lm_would_answer_it_wit
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
 
-    from knorm_gen.evaluate import KEY_QUESTION
-    from knorm_gen.prompts import DEFAULT_QUESTION_SEPARATOR
+    from knorm_gen.tuning.evaluate import KEY_QUESTION
+    from knorm_gen.generation.prompts import DEFAULT_QUESTION_SEPARATOR
 
     model, tok = load_model(str(tiny_model_dir))
     text = with_needle("The harbor keeps a log of ships and storms. " * 30, 0.5, "12345")
@@ -582,7 +587,9 @@ def test_a_ctq_pass_key_is_asked_after_the_context_as_mlx_lm_would_answer_it_wit
     prefix, q_ids, spans, budget = evaluator.ctq_case(text)
     whole = tok.apply_chat_template([{"role": "user", "content": text + DEFAULT_QUESTION_SEPARATOR + KEY_QUESTION}],
                                     add_generation_prompt=True)
-    assert prefix + q_ids == list(whole) and budget == math.ceil(sum(b - a for a, b in spans) / 4)
+    # the budget as the product's: a quarter of the document, the template's four sinks before it on top
+    assert prefix + q_ids == list(whole) and spans[0][0] >= 4
+    assert budget == math.ceil(sum(b - a for a, b in spans) / 4) + 4
     cache = make_prompt_cache(model)
     for start in range(0, len(prefix), evaluator.step):  # the same blocks, so the same floats on any BLAS path
         model(mx.array(prefix[start : start + evaluator.step])[None], cache=cache)
@@ -603,7 +610,7 @@ def test_a_ctq_pass_key_is_asked_after_the_context_as_mlx_lm_would_answer_it_wit
 
 
 def test_run_ratio_follows_the_ratio_and_its_budget_cap():
-    from knorm_gen.tune import run_ratio
+    from knorm_gen.generation.tunings import run_ratio
 
     from .zoo import tiny_tokenizer
 
