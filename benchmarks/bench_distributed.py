@@ -29,7 +29,7 @@ TIMING = {"prefill_s", "decode_s", "prompt_tps", "generation_tps", "peak_memory_
 
 
 def rows(quick: bool) -> list[dict]:
-    # make run's four documents as instruction-first prompt rows: the workload these numbers were measured on
+    # examples/docs.jsonl's four documents as instruction-first prompt rows: the workload these numbers were measured on
     docs = [json.loads(line) for line in (ROOT / "examples" / "docs.jsonl").read_text().splitlines()]
     main = [{"id": d["id"], "prompt": "Summarize the following documentation in three sentences.\n\n" + d["text"],
              "source": d["source"]} for d in docs]

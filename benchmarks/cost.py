@@ -336,7 +336,9 @@ def job_section(model, tok, model_spec: str, rows: list[Text], sizes: dict, work
     if summary.failed or summary.ok != len(rows):
         raise SystemExit(f"the job failed: {summary.text()}")
     records = [json.loads(line) for line in (workdir / "job.out.jsonl").read_text().splitlines() if line.strip()]
-    per_token = [r["full_bytes"] / r["tokens_seen"] for r in records]  # KV bytes of one position, every layer
+    # KV bytes of one position, every layer: full_bytes is the model's own cache, every position on a
+    # model without sliding windows (the embedded one this measures)
+    per_token = [r["full_bytes"] / r["tokens_seen"] for r in records]
     arms["ours_default"] = _job_arm(len(rows), wall, peak, [r["generated_tokens"] for r in records],
                                     [r["kept_bytes"] for r in records])
     log(f"  job ours_default: {wall:.1f} s")

@@ -18,8 +18,8 @@ HERE = Path(__file__).resolve().parent
 LONG_TOPICS = ["typesmapping", "attribute-access", "comparisons", "assignment", "execmodel",
                "import", "try", "calls", "sequence-types", "function"]
 
-# The main job (make run): sections of about 800-1,250 tokens, long enough that a
-# 128-token budget really evicts (about 2.5x smaller KV cache with the default layers).
+# docs.jsonl: sections of about 800-1,250 tokens as prompt rows, the workload of
+# benchmarks/bench_distributed.py (long enough that a 128-token budget really evicts).
 MAIN_TOPICS = ["with", "binary", "objects", "identifiers"]
 
 # The main job (make run) reads a folder: one text file per section, 2,000-3,300 tokens each,

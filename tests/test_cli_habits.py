@@ -227,12 +227,18 @@ def test_a_document_in_another_field_gets_a_hint(tmp_path, tiny, field):
     inp = write_rows(tmp_path / "in.jsonl", [{"id": "x", field: "A long report about the sea."}])
     out = tmp_path / "out.jsonl"
     result = invoke(inp, "-o", out, *tiny, "-q")
-    assert result.exit_code == 1
+    # every row would fail alike: a usage error before the model loads, nothing written
+    assert result.exit_code == 2 and not out.exists()
     hint = f'use --context-field {field} --question "..."'
-    assert hint in result.stderr and hint in records(out)[0]["error"]["message"]
+    assert hint in result.stderr and "line 1" in result.stderr and "nothing was run" in result.stderr
     # with a job question the row needs only the field
     result = invoke(inp, "-o", out, *tiny, "-q", "--question", "Summarize it.", "--overwrite")
-    assert result.exit_code == 1 and f"use --context-field {field} (or" in result.stderr
+    assert result.exit_code == 2 and f"use --context-field {field} (or" in result.stderr
+    # a later row with the wrong field is its own error record, the run goes on
+    inp = write_rows(tmp_path / "in2.jsonl", [{"id": "ok", "prompt": "Hello there"}, {"id": "x", field: "A report."}])
+    result = invoke(inp, "-o", out, *tiny, "-q", "--overwrite")
+    assert result.exit_code == 1
+    assert f'use --context-field {field} --question "..."' in records(out)[1]["error"]["message"]
 
 
 def test_no_hint_when_the_row_has_no_document_like_field(tmp_path, tiny):

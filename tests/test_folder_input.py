@@ -262,7 +262,7 @@ def test_pdf_text_is_read_and_a_scan_is_an_error_record(tmp_path, tiny, monkeypa
     assert untimed(by_id["paper.pdf"]) == untimed(records(jsonl_out)[0])
     monkeypatch.setattr(sources, "pdf_support", lambda: False)  # as without the pdf extra
     result = invoke(root, "-o", tmp_path / "again.jsonl", *tiny, *QUESTION, "--glob", "*.pdf")
-    assert result.exit_code == 2 and 'pip install "knorm-gen[pdf]"' in result.stderr
+    assert result.exit_code == 2 and 'pip install -e ".[pdf]"' in result.stderr
 
 
 def test_two_ranks_share_and_merge_a_folder_as_one_process_does(tmp_path, tiny_model_dir):

@@ -54,7 +54,8 @@ def run(tmp_path, rows, name="in.jsonl", **kw):
 
 # Every record's keys, in this order (README, "Output records"; tokens_pinned after tokens_kept).
 FIELDS = ("id", "completion", "answers", "finish_reason", "prompt_tokens", "generated_tokens", "tokens_seen",
-          "tokens_kept", "tokens_pinned", "compression_ratio", "token_ratio", "kept_bytes", "full_bytes", "kv_ceiling_bytes",
+          "tokens_kept", "tokens_pinned", "compression_ratio", "token_ratio", "kept_bytes", "full_bytes", "saved_bytes",
+          "kv_ceiling_bytes",
           "prefill_s", "decode_s", "prompt_tps", "generation_tps", "peak_memory_gb", "long_document", "model", "config", "meta",
           "fingerprint", "error")
 

@@ -38,7 +38,7 @@ ERROR_TYPES = (INVALID_UTF8, INVALID_JSON, LINE_TOO_LONG, FILE_TOO_LARGE, UNREAD
 
 STATS_FIELDS = (
     "finish_reason", "prompt_tokens", "generated_tokens", "tokens_seen", "tokens_kept", "tokens_pinned",
-    "compression_ratio", "token_ratio", "kept_bytes", "full_bytes", "kv_ceiling_bytes", "prefill_s", "decode_s", "prompt_tps", "generation_tps",
+    "compression_ratio", "token_ratio", "kept_bytes", "full_bytes", "saved_bytes", "kv_ceiling_bytes", "prefill_s", "decode_s", "prompt_tps", "generation_tps",
     "peak_memory_gb",
 )
 RECORD_FIELDS = ("id", "completion", "answers", *STATS_FIELDS, "long_document", "model", "config", "meta", "fingerprint",
@@ -85,7 +85,9 @@ def completion_numbers(result: Any) -> dict:
 
 def question_numbers(results: Sequence[Any]) -> dict:
     """The fields of a question row's record: cache numbers from the answer that
-    saw the most tokens; token counts and times summed, the context prefill once."""
+    saw the most tokens; token counts and times summed, the context prefill once.
+    A row of one question has its answer as its ``completion`` too (where a reader
+    looks first); a row of several has them in ``answers`` only."""
     answers = [{"question": r.question, "answer": r.text, **{k: getattr(r, k) for k in ANSWER_FIELDS[2:]}}
                for r in results]
     peak = max(results, key=lambda r: r.tokens_seen)
@@ -95,6 +97,7 @@ def question_numbers(results: Sequence[Any]) -> dict:
     generated = sum(r.generated_tokens for r in results)
     reasons = [r.finish_reason for r in results if r.finish_reason != "stop"]
     return {
+        "completion": answers[0]["answer"] if len(answers) == 1 else None,
         "answers": answers,
         "finish_reason": reasons[0] if reasons else "stop",
         "prompt_tokens": peak.prompt_tokens,
@@ -106,6 +109,7 @@ def question_numbers(results: Sequence[Any]) -> dict:
         "token_ratio": peak.token_ratio,
         "kept_bytes": peak.kept_bytes,
         "full_bytes": peak.full_bytes,
+        "saved_bytes": peak.saved_bytes,
         "kv_ceiling_bytes": None if any(r.kv_ceiling_bytes is None for r in results)
         else max(r.kv_ceiling_bytes for r in results),
         "prefill_s": prefill_s,

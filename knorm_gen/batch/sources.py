@@ -37,7 +37,7 @@ from .rows import MAX_LINE_BYTES, Row, RowError, content_digest, parse_row, read
 DEFAULT_GLOBS = ("*.txt", "*.md", "*.rst")
 """The files of a folder INPUT read without ``--glob``."""
 
-PDF_EXTRA = 'pip install "knorm-gen[pdf]"'
+PDF_EXTRA = 'pip install -e ".[pdf]" in the knorm_gen checkout (or pip install pypdf)'
 
 Item = Union[Row, RowError]
 

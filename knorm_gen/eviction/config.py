@@ -61,8 +61,16 @@ def check_rule(rule: Any, field: str = "keep", auto: bool = False) -> str:
     """``rule`` as a rule name of :data:`KEEP_MODES` (or ``"auto"`` where ``auto``), or
     ValueError naming ``field``."""
     if rule not in (("auto",) if auto else ()) + KEEP_MODES:
-        raise ValueError(f"{field} must be {'auto or ' if auto else ''}one of {', '.join(KEEP_MODES)}; got {rule!r}")
+        hint = RULE_HINTS.get(str(rule).strip().lower().replace("-", "").replace("_", "")) if isinstance(rule, str) else None
+        raise ValueError(f"{field} must be {'auto or ' if auto else ''}one of {', '.join(KEEP_MODES)}; got {rule!r}"
+                         + (f": {hint}" if hint else ""))
     return rule
+
+
+RULE_HINTS = {name: "the L2Norm rule (arXiv:2406.11430) is 'low': keep the lowest key norms (--preset paper is the "
+                    "paper's whole layout, layers 0 and 1 kept whole)"
+              for name in ("l2norm", "l2", "norm", "knorm", "keynorm", "lownorm", "paper")}
+"""Names a reader of the paper may try for a rule, and what to give instead."""
 
 
 def check_recent_share(share: Any) -> float:

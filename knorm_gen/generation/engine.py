@@ -44,7 +44,8 @@ two on the measured machine (benchmarks/cost.py; docs/results.md). A row's resul
 either way (tests/test_engine.py)."""
 
 DEFAULT_BATCH_SIZE = 8
-"""Rows decoded together by default (benchmarks/bench_batch.py; docs/results.md)."""
+"""Rows decoded together by default (docs/results.md, "Speed and memory", measures the whole job
+at this size; benchmarks/bench_batch.py measures others)."""
 
 
 def needs_probe(eviction: Any) -> bool:

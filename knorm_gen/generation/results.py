@@ -17,12 +17,17 @@ class GenerationResult:
     ``tokens_kept`` the positions a layer at the base ``budget`` holds (the fewest
     any compressed layer holds: ``early_factor`` gives the first 30% of layers more than the
     budget, and ``layer_budgets`` may give others more; ``kept_bytes`` counts them all);
-    ``compression_ratio`` the document's compression: what a full-precision full cache
-    would hold of the document's positions over what is held of them, over every layer
-    (eviction times quantization; the pinned tokens, held whole, are left out of both, so
-    under ``ratio=R`` it is R); ``full_bytes`` is the whole row in a full-precision cache
-    without eviction and ``kept_bytes`` what is held as stored, pinned tokens included
-    (with ``kv_bits``: packed values plus scales and biases);
+    ``compression_ratio`` the document's compression against the model's own cache: what
+    the model's own cache holds of the document's positions over what is held of them, over
+    every layer (eviction times quantization; the pinned tokens, held whole, are left out of
+    both, so under ``ratio=R`` it is R on a model whose layers all attend to every position,
+    and less where sliding-window layers hold only their window either way);
+    ``full_bytes`` is the whole row in the model's own cache (what mlx_lm's
+    ``make_prompt_cache`` holds after the same tokens, in the model's dtype: a full-attention
+    layer every position, a sliding-window layer at most its window), ``kept_bytes`` what is
+    held as stored, pinned tokens included (with ``kv_bits``: packed values plus scales and
+    biases), and ``saved_bytes = full_bytes - kept_bytes`` the bytes eviction saves against
+    the model's own cache;
     ``token_ratio = tokens_seen / tokens_kept`` (eviction alone);
     ``kv_ceiling_bytes`` the most this row can ever hold: the budget plus its
     pinned tokens, with the whole ``max_tokens`` answer (None when some layer
@@ -59,9 +64,14 @@ class GenerationResult:
     """What became of a document longer than the model's context (``long_documents``:
     :mod:`knorm_gen.generation.long_documents`); None when it fit."""
 
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes saved against the model's own cache: ``full_bytes - kept_bytes``."""
+        return self.full_bytes - self.kept_bytes
+
     def to_dict(self) -> dict:
-        """A JSON-serialisable dict."""
-        return asdict(self)
+        """A JSON-serialisable dict (with ``saved_bytes``)."""
+        return {**asdict(self), "saved_bytes": self.saved_bytes}
 
     @classmethod
     def from_caches(cls, caches: Sequence[Any], max_tokens: Optional[int] = None, **fields: Any) -> "GenerationResult":

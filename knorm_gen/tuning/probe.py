@@ -90,7 +90,8 @@ class ProbeReport:
         where = (f"keep='low' (the paper's rule: --preset paper or retrieval) is supported in layers {_ranges(good)}"
                  if good else "keep='low' is supported in no layer")
         if bad:
-            where += f" and not in {_ranges(bad)}, where it dropped pass keys on Gemma 3 (docs/results.md)"
+            where += (f" and not in {_ranges(bad)}, where a low-norm key does not draw more attention than "
+                      f"others (mean correlation above {self.threshold:g})")
         return (f"{where}. The probe measures only that signal (a low-norm key draws attention); it cannot tell "
                 "which layers a summary needs covered (KeyDiff's criterion is not attention), so it cannot rank "
                 "keep='keydiff' per layer, nor the default (keep='question', which reads what the job's own "
