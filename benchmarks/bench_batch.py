@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlx_lm.generate import batch_generate
 
 from knorm_gen import EvictionConfig, GenerationConfig, generate_batch_with_eviction, generate_with_eviction
-from knorm_gen.cli import build_configs, load_job
+from knorm_gen.cli.job_file import build_configs, load_job
 from knorm_gen.generation.prompts import encode_prompt
 from knorm_gen.models.load import load_model
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 import knorm_gen  # noqa: E402,F401  (BLAS preload before mlx)
 from knorm_gen.eviction import config  # noqa: E402
-from knorm_gen.cli import batch_command  # noqa: E402
+from knorm_gen.cli.batch import batch_command  # noqa: E402
 
 PAGE = ROOT / "docs" / "api.md"
 REGION = re.compile(r"(<!-- fields:(\w+) -->\n)(.*?)(<!-- /fields -->)", re.S)

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from knorm_gen.models.load import get_model
-from knorm_gen.cli import batch_command
+from knorm_gen.cli.batch import batch_command
 
 TIMING = {"prefill_s", "decode_s", "prompt_tps", "generation_tps", "peak_memory_gb"}
 FAST = ["--budget", "16", "--max-tokens", "2"]
@@ -172,7 +172,7 @@ def test_bad_job_file_exit_2(tmp_path, text, message):
 
 
 def test_shipped_job_files_parse():
-    from knorm_gen.cli import load_job
+    from knorm_gen.cli.job_file import load_job
 
     for job in sorted((REPO / "jobs").glob("*.toml")):
         settings = load_job(str(job))

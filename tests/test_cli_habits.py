@@ -9,7 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from knorm_gen.batch import records as rec
-from knorm_gen.cli import batch_command, generate_command
+from knorm_gen.cli.batch import batch_command
+from knorm_gen.cli.generate import generate_command
 from knorm_gen.models.load import get_model
 from knorm_gen.batch.rows import content_digest
 
@@ -363,7 +364,7 @@ def test_generate_usage_errors_exit_2(tiny_model_dir, args, message):
 
 def test_generate_is_a_console_script():
     text = (REPO / "pyproject.toml").read_text()
-    assert 'knorm-generate = "knorm_gen.cli:generate_command"' in text
+    assert 'knorm-generate = "knorm_gen.cli.generate:generate_command"' in text
 
 
 def test_records_written_under_the_old_rule_names_resume_as_done(tmp_path, tiny):
@@ -464,7 +465,7 @@ def test_batch_says_its_kv_memory_line_once(tmp_path, tiny):
 
 
 def test_tune_takes_task_and_reads_the_context_field_by_default(tiny_model_dir, tmp_path, monkeypatch):
-    import knorm_gen.cli as cli
+    import knorm_gen.cli.tune as cli
 
     calls = []
 
@@ -508,7 +509,7 @@ def test_verbose_is_a_flag_that_also_takes_true_or_false(tmp_path, tiny, tiny_mo
 
 
 def test_a_verbose_value_that_is_no_truth_value_is_a_usage_error():
-    from knorm_gen.cli import verbose_args
+    from knorm_gen.cli.options import verbose_args
 
     result = generate("-p", "hi", "--verbose=maybe")
     assert result.exit_code == 2 and "--verbose takes True or False (or nothing: -v), not 'maybe'" in result.stderr
@@ -520,7 +521,7 @@ def test_each_command_says_what_it_does_in_its_first_sentence(capsys):
     for command in (batch_command, generate_command):
         first = _help(command).split("\n\n")[1].strip()
         assert first.endswith(".") and first.count(". ") == 0, first
-    from knorm_gen.cli import tune_command
+    from knorm_gen.cli.tune import tune_command
 
     first = _help(tune_command).split("\n\n")[1].strip()
     assert first.startswith("Measure which eviction layout") and first.count(". ") == 0, first

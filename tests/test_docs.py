@@ -25,7 +25,10 @@ import pytest
 
 import knorm_gen
 from knorm_gen.eviction import config as config_module
-from knorm_gen.cli import JOB_KEYS, batch_command, generate_command, tune_command
+from knorm_gen.cli.batch import batch_command
+from knorm_gen.cli.generate import generate_command
+from knorm_gen.cli.job_file import JOB_KEYS
+from knorm_gen.cli.tune import tune_command
 from knorm_gen.tuning.probe import make_probe_command
 from knorm_gen.batch.records import ANSWER_FIELDS, ERROR_TYPES, RECORD_FIELDS
 from knorm_gen.batch.rows import OVERRIDE_FIELDS

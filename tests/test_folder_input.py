@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from knorm_gen.batch import sources
-from knorm_gen.cli import batch_command
+from knorm_gen.cli.batch import batch_command
 from knorm_gen.eviction.config import RowsConfig
 from knorm_gen.batch.rows import MAX_LINE_BYTES, Row, RowError
 

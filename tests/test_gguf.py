@@ -469,7 +469,7 @@ def test_the_main_job_runs_on_each_gguf_architecture(tmp_path, cache_dir, arch):
     from click.testing import CliRunner
 
     from knorm_gen import answer_questions, generate_with_eviction
-    from knorm_gen.cli import batch_command
+    from knorm_gen.cli.batch import batch_command
 
     _, path = reference_and_gguf(tmp_path, arch)
     doc = "the cat sat on the mat and the dog sat on the log. " * 4

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from knorm_gen.batch import rows
-from knorm_gen.cli import batch_command
+from knorm_gen.cli.batch import batch_command
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "knorm_gen.cli"]

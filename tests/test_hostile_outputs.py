@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from knorm_gen.cli import batch_command
+from knorm_gen.cli.batch import batch_command
 
 from .conftest import make_tiny_model_dir
 
@@ -225,7 +225,7 @@ def test_a_disk_that_fills_mid_run_keeps_every_record_and_a_rerun_finishes(tmp_p
 
 def test_a_prompt_cache_refuses_other_weights_at_the_models_path(tmp_path):
     from knorm_gen.models import load as models
-    from knorm_gen.cli import generate_command
+    from knorm_gen.cli.generate import generate_command
 
     def generate(*args):
         models._MODELS.clear()  # as a new process would: the model is loaded from its path again

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from knorm_gen.cli import batch_command
+from knorm_gen.cli.batch import batch_command
 from knorm_gen.eviction.config import GenerationConfig
 from knorm_gen.batch.distributed import part_path
 from knorm_gen.models.load import load_model

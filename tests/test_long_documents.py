@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from knorm_gen import EvictionConfig, answer_questions, generate_with_eviction, load_model
-from knorm_gen.cli import batch_command
+from knorm_gen.cli.batch import batch_command
 from knorm_gen.eviction.config import MIN_RATIO_BUDGET
 from knorm_gen.generation.prompts import PromptTooLongError
 

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from knorm_gen import answer_questions
-from knorm_gen.cli import generate_command
+from knorm_gen.cli.generate import generate_command
 from knorm_gen.models.load import get_model
 from knorm_gen.generation.prompt_cache import PromptCacheError, answer_from, read_document, save_document
 

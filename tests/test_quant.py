@@ -226,7 +226,7 @@ def model64(tiny_model_dir_64):
     (["--kv-bits", "4", "--kv-group-size", "128"], "use --kv-group-size 32 or 64"),
 ])
 def test_cli_usage_errors_before_any_work(tmp_path, model64, args, needle):
-    from knorm_gen.cli import batch_command as main
+    from knorm_gen.cli.batch import batch_command as main
 
     rows = tmp_path / "in.jsonl"
     rows.write_text(json.dumps({"id": 1, "prompt": "hello"}) + "\n")
@@ -238,7 +238,7 @@ def test_cli_usage_errors_before_any_work(tmp_path, model64, args, needle):
 
 
 def test_batch_of_rows_equals_each_row_alone_and_bytes_shrink(tmp_path, model64):
-    from knorm_gen.cli import batch_command as main
+    from knorm_gen.cli.batch import batch_command as main
 
     rows = tmp_path / "in.jsonl"
     with rows.open("w") as f:
@@ -263,7 +263,7 @@ def test_batch_of_rows_equals_each_row_alone_and_bytes_shrink(tmp_path, model64)
 
 
 def test_a_row_may_set_kv_bits_and_a_bad_one_is_its_own_error_record(tmp_path, model64):
-    from knorm_gen.cli import batch_command as main
+    from knorm_gen.cli.batch import batch_command as main
 
     rows = tmp_path / "in.jsonl"
     text = "Summarize: " + "alpha beta gamma " * 40

@@ -88,7 +88,7 @@ def test_questions_block_answers_each_question(executed):
 
 @pytest.mark.parametrize("line", shell_lines("knorm-batch"))
 def test_knorm_batch_command_lines_parse(line):
-    from knorm_gen.cli import batch_command
+    from knorm_gen.cli.batch import batch_command
 
     args = shlex.split(line)[1:]
     with batch_command.make_context("knorm-batch", args, resilient_parsing=False) as ctx:

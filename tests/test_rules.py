@@ -328,7 +328,7 @@ def test_presets_are_layouts_the_fields_override():
 
 @pytest.mark.parametrize("old,fields", [(name, (f["question_score"], f["carry"])) for name, f in OLD_RULE_NAMES.items()])
 def test_the_old_rule_names_are_read_where_saved_settings_are_and_refused_by_the_api(old, fields, tmp_path):
-    from knorm_gen.cli import load_job
+    from knorm_gen.cli.job_file import load_job
     from knorm_gen.eviction.legacy import current_settings
 
     config = EvictionConfig(budget=64, **current_settings({"keep": old}))

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from knorm_gen import answer_questions, generate_with_eviction
-from knorm_gen.cli import batch_command
+from knorm_gen.cli.batch import batch_command
 from knorm_gen.models.load import load_model
 
 QUESTION = "Summarize the text above in one sentence."

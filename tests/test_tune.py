@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from knorm_gen.cli import batch_command, tune_command
+from knorm_gen.cli.batch import batch_command
+
+from knorm_gen.cli.tune import tune_command
 from knorm_gen.eviction.config import EvictionConfig
 from knorm_gen.tuning.evaluate import Evaluator, summarize, with_needle
 from knorm_gen.eviction.layouts import CANDIDATES
@@ -172,7 +174,7 @@ def test_a_degenerate_reference_is_named_with_why():
 
 
 def test_a_degenerate_reference_leaves_its_document_out_of_fidelity_and_the_table_says_so():
-    from knorm_gen.cli import tune_table
+    from knorm_gen.cli.tune import tune_table
     from knorm_gen.tuning.tune import decide
 
     arms = {a: CANDIDATES[a] for a in ("default", "random")}
@@ -376,7 +378,7 @@ def test_the_tuner_measures_the_jobs_compression_at_its_budget(tiny_model_dir, t
 
 def test_the_tune_table_keeps_its_columns_with_long_layout_names():
     # Every row's fidelity ends where the header's 'fidelity' ends, whatever the names' lengths.
-    from knorm_gen.cli import tune_table
+    from knorm_gen.cli.tune import tune_table
 
     entry = dict(recovered=0.77, ppl_ratio=1.2, wins_vs_random=3, fidelity_docs=4, keys_of_full=5, full_keys=5,
                  filler_keys_of_full=4, filler_full_keys=4, vs_random=0.031, vs_random_interval=(-0.01, 0.07))
