@@ -260,3 +260,29 @@ def numpy_running_kept(keys, splits, budget, n_sink, recent, keep, margins=None)
                         margins.append(abs(free[cut] - free[cut - 1]) / max(abs(free[cut]), abs(free[cut - 1]), 1e-30))
                 held[h] = held[h][:budget]
     return [sorted(p for _, p in h) for h in held]
+
+
+# ---- knorm-batch on a folder, driven in-process (test_folder_input.py, test_hostile_outputs.py) ----------
+
+
+def batch_args(model_dir) -> list:
+    """Fast knorm-batch options on a tiny model folder: budget 16, two new tokens, rows alone, quiet."""
+    return ["--model", str(model_dir), "--budget", "16", "--max-tokens", "2", "--batch-size", "1", "-q"]
+
+
+def invoke_batch(*args):
+    """knorm-batch in-process (click's CliRunner), every argument as text."""
+    from click.testing import CliRunner
+
+    from knorm_gen.cli.batch import batch_command
+
+    return CliRunner().invoke(batch_command, [str(a) for a in args], catch_exceptions=False)
+
+
+def write_files(root, files: dict):
+    """Write ``{relative path: text or bytes}`` under ``root``; returns ``root``."""
+    for rel, data in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data if isinstance(data, bytes) else data.encode("utf-8"))
+    return root

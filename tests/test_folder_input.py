@@ -10,12 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from knorm_gen.batch import sources
-from knorm_gen.cli.batch import batch_command
 from knorm_gen.eviction.config import RowsConfig
 from knorm_gen.batch.rows import MAX_LINE_BYTES, Row, RowError
+from .conftest import batch_args
+from .conftest import invoke_batch as invoke
+from .conftest import write_files as write
 
 REPO = Path(__file__).resolve().parents[1]
 TIMING = {"prefill_s", "decode_s", "prompt_tps", "generation_tps", "peak_memory_gb"}
@@ -24,11 +25,7 @@ QUESTION = ["--question", "Summarize the text above."]
 
 @pytest.fixture
 def tiny(tiny_model_dir):
-    return ["--model", str(tiny_model_dir), "--budget", "16", "--max-tokens", "2", "--batch-size", "1", "-q"]
-
-
-def invoke(*args):
-    return CliRunner().invoke(batch_command, [str(a) for a in args], catch_exceptions=False)
+    return batch_args(tiny_model_dir)
 
 
 def records(path):
@@ -40,14 +37,6 @@ def untimed(record):
     if out.get("answers"):
         out["answers"] = [{k: v for k, v in a.items() if k not in TIMING} for a in out["answers"]]
     return out
-
-
-def write(root, files):
-    for rel, data in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data if isinstance(data, bytes) else data.encode("utf-8"))
-    return root
 
 
 def as_jsonl(path, rows):

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from knorm_gen.cli.batch import batch_command
 
-from .conftest import make_tiny_model_dir
+from .conftest import batch_args, make_tiny_model_dir
+from .conftest import invoke_batch as invoke
+from .conftest import write_files as write
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTION = ["--question", "Summarize the text above."]
@@ -24,23 +25,11 @@ QUESTION = ["--question", "Summarize the text above."]
 
 @pytest.fixture
 def tiny(tiny_model_dir):
-    return ["--model", str(tiny_model_dir), "--budget", "16", "--max-tokens", "2", "--batch-size", "1", "-q"]
-
-
-def invoke(*args):
-    return CliRunner().invoke(batch_command, [str(a) for a in args], catch_exceptions=False)
+    return batch_args(tiny_model_dir)
 
 
 def records(path):
     return [json.loads(line) for line in Path(path).read_bytes().splitlines()]
-
-
-def write(root, files):
-    for rel, data in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data if isinstance(data, bytes) else data.encode("utf-8"))
-    return root
 
 
 # ------------------------------------------------------------ 1. 3. the run's files and the input folder
