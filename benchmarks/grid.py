@@ -28,19 +28,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import knorm_gen  # noqa: E402  (BLAS preload first)
-from documents import documents  # noqa: E402
-from knorm_gen.tuning.evaluate import (FILLERS, Doc, Evaluator, filler_text, head_tokens, summarize,  # noqa: E402
-                                with_needle)
+from documents import documents, papers  # noqa: E402
 from knorm_gen.eviction.layouts import CANDIDATES  # noqa: E402
 from knorm_gen.models.load import load_model  # noqa: E402
+from knorm_gen.tuning.evaluate import (FILLERS, Doc, Evaluator, bootstrap_interval, filler_text,  # noqa: E402
+                                       head_tokens, recovered_by_doc, summarize, with_needle)
 
 DEPTHS = (0.25, 0.5, 0.75)
+QWEN_NAMES = ("qwen2.5-0.5b", "qwen2")
 GRID_FILLERS = ("harbor", "recipe")  # held out of knorm-tune's fillers
 
 
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="default")
+    ap.add_argument("--model", default="default", help="'default' (the embedded model), 'qwen2.5-0.5b' (the "
+                                                       "benchmark-only Qwen2 model, benchmarks/qwen.py), or a path")
+    ap.add_argument("--source", choices=("documents", "papers"), default="documents",
+                    help="documents.documents() (the default; a one-line summary where the package has one) or "
+                         "documents.papers() (R vignette papers, their authors' abstract as the human summary)")
+    ap.add_argument("--held-out", action="store_true", help="--source papers: the held-out half only")
     ap.add_argument("--docs", default="0:12", help="A:B, documents A to B-1 of the fixed order")
     ap.add_argument("--tokens", type=int, default=2048, help="each document's first N tokens")
     ap.add_argument("--join", action="store_true", help="documents shorter than --tokens take the next ones after "
@@ -54,8 +60,12 @@ def parse(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def grid_docs(tok, spec: str, n_tokens: int, join: bool = False) -> list[Doc]:
+def grid_docs(tok, spec: str, n_tokens: int, join: bool = False, source: str = "documents",
+              held_out: bool = False) -> list[Doc]:
     a, b = (int(x) for x in spec.split(":"))
+    if source == "papers":  # the body cut to its first n_tokens, the authors' abstract the human summary
+        every = papers(tok, held_out=True if held_out else None)
+        return [Doc(d.name, head_tokens(tok, d.text, n_tokens), d.summary) for d in every[a:b]]
     every = documents(tok, min_tokens=1500, max_tokens=10**6)
     out = []
     for i in range(a, b):
@@ -66,6 +76,17 @@ def grid_docs(tok, spec: str, n_tokens: int, join: bool = False) -> list[Doc]:
             name, text, summary = f"{name}+{every[j].name}", text + "\n\n" + every[j].text, None
         out.append(Doc(name, head_tokens(tok, text, n_tokens), summary))
     return out
+
+
+def model_path(name: str):
+    """``--model``: None for the embedded model, the assembled GGUF for ``qwen2.5-0.5b``, else the path."""
+    if name == "default":
+        return None
+    if name in QWEN_NAMES:
+        from qwen import qwen_gguf
+
+        return str(qwen_gguf())
+    return name
 
 
 def cases(tok, docs: list[Doc], fillers: list[str], n_tokens: int) -> list[tuple]:
@@ -79,14 +100,15 @@ def cases(tok, docs: list[Doc], fillers: list[str], n_tokens: int) -> list[tuple
 
 
 def run(args: argparse.Namespace) -> dict:
-    model, tok = load_model(None if args.model == "default" else args.model)
+    model, tok = load_model(model_path(args.model))
     arms = {a: CANDIDATES[a] for a in args.arms.split(",")}
     ratios = [float(r) for r in args.ratios.split(",")]
-    docs = grid_docs(tok, args.docs, args.tokens, args.join)
+    docs = grid_docs(tok, args.docs, args.tokens, args.join, args.source, args.held_out)
     todo = cases(tok, docs, [f for f in args.fillers.split(",") if f], args.tokens)
     out = Path(args.out) if args.out else None
     result = json.loads(out.read_text()) if out and out.exists() else {"rows": []}
-    result["meta"] = dict(model=args.model, docs=[d.name for d in docs], tokens=args.tokens, ratios=ratios,
+    result["meta"] = dict(model=args.model, source=args.source, held_out=args.held_out,
+                          docs=[d.name for d in docs], tokens=args.tokens, ratios=ratios,
                           arms=arms, argv=sys.argv[1:], machine=platform.processor() or platform.machine(),
                           commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                 text=True).stdout.strip())
@@ -130,7 +152,28 @@ def report(result: dict) -> str:
                 _pct(t["recovered_human"]) + f" ({t['human_docs']})",
                 f"{t['keys_of_full']}/{t['full_keys']}",
                 "-" if t["ppl_ratio"] is None else f"{t['ppl_ratio']:.3f}x"]) + " |")
+        lines += paired(rows, arms)
     return "\n".join(lines)
+
+
+def paired(rows: list[dict], arms: list[str]) -> list[str]:
+    """Each arm against each control arm measured (random eviction, the sliding window), per
+    measure: the mean paired difference over documents in points, its bootstrap 95% interval and
+    the wins."""
+    lines = ["", "| measure | arm - control | points (95% interval) | wins |", "|---|---|---|---|"]
+    for task, label in (("fidelity_human", "human summary"), ("fidelity", "own summary")):
+        for control in [c for c in ("random", "recent") if c in arms]:
+            base = recovered_by_doc(rows, control, task)
+            for arm in [a for a in arms if a != control]:
+                rec = recovered_by_doc(rows, arm, task)
+                diffs = [100 * (rec[d] - base[d]) for d in rec if d in base]
+                if not diffs:
+                    continue
+                ci = bootstrap_interval(diffs)
+                lines.append(f"| {label} | {arm} - {control} | {sum(diffs) / len(diffs):+.1f}"
+                             + (f" ({ci[0]:+.1f}, {ci[1]:+.1f})" if ci else "")
+                             + f" | {sum(x > 0 for x in diffs)}/{len(diffs)} |")
+    return lines
 
 
 def _pct(x) -> str:

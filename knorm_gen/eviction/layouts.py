@@ -30,8 +30,11 @@ CANDIDATES: dict[str, dict] = {
     "leverage": _layout("default", keep="leverage"),
     # the control every layout is judged against: random eviction at equal bytes, the default's layers and window
     "random": _layout("default", keep="random"),
+    # a sliding window with the sinks: what mlx_lm's --max-kv-size (a RotatingKVCache) keeps, at equal bytes
+    "recent": _layout("default", keep="recent"),
 }
-"""Candidate layouts by name. ``random`` is every candidate's equal-bytes control; ``paper``
+"""Candidate layouts by name. ``random`` is every candidate's equal-bytes control, ``recent``
+the user's alternative in mlx_lm (the sinks and the most recent tokens); ``paper``
 leaves layers 0 and 1 whole (more bytes than the others at one budget)."""
 
 
