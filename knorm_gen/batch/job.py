@@ -41,11 +41,13 @@ from typing import Any, BinaryIO, Callable, Optional
 
 from tqdm import tqdm
 
-from . import records as rec
-from ..generation.admission import default_kv_limit
 from ..eviction.config import EvictionConfig, GenerationConfig, RowsConfig
-from .distributed import Group, part_path, shard_of, share
+from ..eviction.memory import kv_memory, mib
+from ..generation.admission import default_kv_limit
 from ..generation.engine import DEFAULT_BATCH_SIZE
+from ..generation.tunings import auto_config, run_ratio
+from ..models.load import ModelUsageError, get_model, with_run_options
+from ..models.support import describe_model
 from ..platform.files import (
     FileLock,
     FileUsageError,
@@ -58,15 +60,13 @@ from ..platform.files import (
     rewrite_atomically,
     write_failure,
 )
-from ..eviction.memory import kv_memory, mib
-from ..models.load import ModelUsageError, get_model, with_run_options
+from . import records as rec
+from .distributed import Group, part_path, shard_of, share
 from .resume import Outputs, ResumePlan, Wanted, merge_group, plan_run
 from .rows import Row
 from .runner import RowRunner, RowSettings
-from ..models.support import describe_model
-from ..generation.tunings import auto_config, run_ratio
-from .sources import InputSource, open_source
 from .sink import FIRST_ERRORS, Interrupted, Signals, Sink, row_name, stderr_log
+from .sources import InputSource, open_source
 
 __all__ = [
     "BatchOptions", "BatchSummary", "BatchUsageError", "Interrupted", "run_batch",

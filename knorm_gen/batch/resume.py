@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
+from ..platform.files import FileUsageError, is_stream, rewrite_atomically
 from . import records as rec
 from .distributed import Group, local_parts
-from ..platform.files import FileUsageError, is_stream, rewrite_atomically
 from .rows import Row
 
 

@@ -13,18 +13,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
-from . import records as rec
-from ..generation.admission import KVLimit, KVMemoryExceeded
+from ..eviction.config import (
+    EvictionConfig,
+    GenerationConfig,
+    ResolvedEviction,
+    RowsConfig,
+    make_configs,
+    settings_dict,
+)
 from ..eviction.legacy import older_spelling
-from ..eviction.config import (EvictionConfig, GenerationConfig, ResolvedEviction, RowsConfig, make_configs,
-                     settings_dict)
+from ..eviction.quant import check_head_dims
+from ..generation.admission import KVLimit, KVMemoryExceeded
 from ..generation.engine import Outcome, Request, run_alone, run_jobs
 from ..generation.generate import answer_in_pieces, prompt_request, question_request
 from ..generation.long_documents import needs_pieces
-from ..platform.mlx_compat import kv_head_dims
-from ..models.support import model_support
-from ..eviction.quant import check_head_dims
 from ..generation.prompts import PromptTooLongError
+from ..models.support import model_support
+from ..platform.mlx_compat import kv_head_dims
+from . import records as rec
 from .rows import Row, RowError
 
 Emit = Callable[[Optional[dict], int], None]  # (record, or None for a row skipped as done; its line)

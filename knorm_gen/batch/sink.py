@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional
 
 from tqdm import tqdm
 
-from . import records as rec
 from ..platform.files import write_failure
+from . import records as rec
 
 FIRST_ERRORS = 3
 """Row errors the summary names one by one (id, line, message); the output has them all."""

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import BinaryIO, Iterator, Optional, Sequence, Union
 
 from ..eviction.config import RowsConfig
-from .distributed import local_parts
 from ..platform.files import FileUsageError, open_input
 from . import records as rec
+from .distributed import local_parts
 from .records import FILE_TOO_LARGE, INVALID_ROW, INVALID_UTF8, UNREADABLE_FILE
 from .rows import MAX_LINE_BYTES, Row, RowError, content_digest, parse_row, read_rows
 

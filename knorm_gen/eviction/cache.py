@@ -30,18 +30,35 @@ from typing import Any, Optional, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..platform.mlx_compat import (
+    _BaseCache,
+    create_attention_mask,
+    is_full_attention,
+    make_prompt_cache,
+    register_cache_class,
+)
 from . import quant
 from .carry import CarryGroup, extracted_group, merged_group
 from .config import CACHE_BUDGET, EvictionConfig, ResolvedEviction, validate_eviction_args
 from .legacy import OLD_CACHE_CLASSES, old_row_state, saved_rule
-from ..platform.mlx_compat import _BaseCache, create_attention_mask, is_full_attention, make_prompt_cache, register_cache_class
 from .quant import Stored
 from .rules import RULES, Rule, make_rule
 from .rules.question import REPEAT_PENALTY, Probe, ProbeBatch, make_probe
-from .selection import (PAD, PROTECTED, block_ranks, capacity, carry_slots, carry_tier, carry_values, cover_slots,
-                        evict_key, rank_positions, rescore, spread_tier)
-from .spans import (ALL_EVICTABLE, Spans, check_spans, evictable_from, open_ended, pin_from, pinned_count,
-                    span_array)
+from .selection import (
+    PAD,
+    PROTECTED,
+    block_ranks,
+    capacity,
+    carry_slots,
+    carry_tier,
+    carry_values,
+    cover_slots,
+    evict_key,
+    rank_positions,
+    rescore,
+    spread_tier,
+)
+from .spans import ALL_EVICTABLE, Spans, check_spans, evictable_from, open_ended, pin_from, pinned_count, span_array
 
 UNBOUNDED = 1 << 40
 """The budget of a layer that stores quantized but never evicts (``kv_bits`` with

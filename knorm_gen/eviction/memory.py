@@ -18,9 +18,9 @@ from typing import Any, Iterable, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..platform.mlx_compat import KVCache, model_context_length
 from .cache import EvictionKVCache, make_eviction_cache
 from .config import EvictionConfig, ResolvedEviction
-from ..platform.mlx_compat import KVCache, model_context_length
 from .spans import span_positions
 
 

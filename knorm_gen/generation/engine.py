@@ -27,15 +27,15 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from .admission import KVLimit, KVMemoryExceeded
 from ..eviction.cache import copy_caches, make_eviction_cache, pin_caches, probe_caches, probed
 from ..eviction.config import DEFAULT_PREFILL_STEP, GenerationConfig, ResolvedEviction, settings_dict
-from ..platform.mlx_compat import generator_step, own_layer_masks
-from .prompts import as_tokenizer
 from ..eviction.rules import rule_needs
 from ..eviction.spans import ALL_EVICTABLE, Spans, pin_from
-from .results import GenerationResult
 from ..models.support import model_support
+from ..platform.mlx_compat import generator_step, own_layer_masks
+from .admission import KVLimit, KVMemoryExceeded
+from .prompts import as_tokenizer
+from .results import GenerationResult
 
 PREFILL_TOGETHER = False
 """Whether a probed prompt (the question rule) is prefilled with the other rows of its batch

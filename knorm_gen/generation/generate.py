@@ -9,12 +9,20 @@ from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 from ..eviction.config import LAYOUT_FIELDS, EvictionConfig, GenerationConfig, ResolvedEviction, make_configs
-from .engine import DEFAULT_BATCH_SIZE, Request, run_jobs, stream_request
-from .prompts import (Prompt, as_tokenizer, check_length, context_spans, encode_text, encode_with_spans,
-                      has_chat_template, question_prompts)
-from .results import GenerationResult
-from .long_documents import REDUCE_HEADER, check_room, fit_context, fit_prompt, needs_pieces, pieces, room_for
 from ..models.support import check_model
+from .engine import DEFAULT_BATCH_SIZE, Request, run_jobs, stream_request
+from .long_documents import REDUCE_HEADER, check_room, fit_context, fit_prompt, needs_pieces, pieces, room_for
+from .prompts import (
+    Prompt,
+    as_tokenizer,
+    check_length,
+    context_spans,
+    encode_text,
+    encode_with_spans,
+    has_chat_template,
+    question_prompts,
+)
+from .results import GenerationResult
 
 __all__ = [
     "GenerationResult", "generate_with_eviction", "stream_with_eviction", "generate_batch_with_eviction",

@@ -27,16 +27,24 @@ import mlx.core as mx
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from ..eviction.cache import copy_caches, make_eviction_cache, pin_caches, probe_caches
-from ..eviction.legacy import current_settings
 from ..eviction.config import EvictionConfig, GenerationConfig, ResolvedEviction, settings_dict
-from .engine import stream_ids, prefill
+from ..eviction.legacy import current_settings
 from ..eviction.memory import cache_stats
-from ..models.load import model_fingerprint
-from .prompts import (ids_before_marker, as_tokenizer, check_length, context_spans, encode_text, has_chat_template,
-                      question_prompts, with_system_prompt)
-from .results import GenerationResult
 from ..eviction.spans import Spans, check_spans, evictable_count
+from ..models.load import model_fingerprint
 from ..models.support import check_model
+from .engine import prefill, stream_ids
+from .prompts import (
+    as_tokenizer,
+    check_length,
+    context_spans,
+    encode_text,
+    has_chat_template,
+    ids_before_marker,
+    question_prompts,
+    with_system_prompt,
+)
+from .results import GenerationResult
 
 FORMAT = "knorm_gen.saved_document/1"
 """The metadata key ``format`` of a file :func:`save_document` writes."""

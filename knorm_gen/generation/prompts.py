@@ -12,8 +12,8 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..eviction.config import DEFAULT_QUESTION_SEPARATOR
-from ..platform.mlx_compat import model_context_length
 from ..eviction.spans import ALL_EVICTABLE, Spans
+from ..platform.mlx_compat import model_context_length
 
 Prompt = Union[str, Sequence[int], mx.array, Sequence[dict]]
 

@@ -15,13 +15,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-
 from ..eviction.config import OLD_RECENT_SHARE, EvictionConfig
+from ..eviction.layouts import describe
 from ..eviction.legacy import current_settings, older_weights_digest
 from ..models.load import model_fingerprint
-from ..eviction.layouts import describe
-from .prompts import as_tokenizer
 from ..platform.runtime import cache_root
+from .prompts import as_tokenizer
 
 
 class NoTuningError(LookupError):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -21,10 +21,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import gguf
 from ..platform import runtime
 from ..platform.files import remove_stale_temps, replacing
 from ..platform.mlx_compat import model_context_length
+from . import gguf
 
 __all__ = [
     "ModelNotFoundError",

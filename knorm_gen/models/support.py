@@ -26,8 +26,15 @@ import numpy as np
 
 from ..eviction.cache import make_eviction_cache
 from ..eviction.config import EvictionConfig
-from ..platform.mlx_compat import (UnsupportedModelError, architecture, decoder_layers, generator_step, is_full_attention,
-                         make_prompt_cache, own_layer_masks)
+from ..platform.mlx_compat import (
+    UnsupportedModelError,
+    architecture,
+    decoder_layers,
+    generator_step,
+    is_full_attention,
+    make_prompt_cache,
+    own_layer_masks,
+)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,6 @@ from mlx_lm.models.cache import (  # noqa: F401  (re-exported for the caches)
     make_prompt_cache,
 )
 
-
 QUANTIZED_ATTENTION = (
     "mlx_lm.models.base.scaled_dot_product_attention(queries, keys, values, cache, ...) calls "
     "quantized_scaled_dot_product_attention when hasattr(cache, 'bits'), with cache.bits and cache.group_size; "

@@ -19,11 +19,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Optional
 
 from ..eviction.config import LAYOUT_FIELDS, EvictionConfig
-from .evaluate import TUNE_FILLERS, Doc
 from ..eviction.layouts import describe
 from ..generation.prompts import as_tokenizer
-from .tune import QUICK_ARMS, tune
 from ..generation.tunings import auto_config, load_tuning, run_ratio, save_tuning, saved_layout, tuning_refusal
+from .evaluate import TUNE_FILLERS, Doc
+from .tune import QUICK_ARMS, tune
 
 
 @dataclass

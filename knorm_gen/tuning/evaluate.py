@@ -34,10 +34,16 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from ..eviction.cache import copy_caches, make_eviction_cache, pin_caches, probe_caches
 from ..eviction.config import DEFAULT_QUESTION_SEPARATOR, EvictionConfig, row_budget
-from ..generation.engine import needs_probe, prefill
 from ..eviction.memory import cache_stats
-from ..generation.prompts import as_tokenizer, context_spans, encode_with_spans, has_chat_template, split_question_prompts
 from ..eviction.spans import ALL_EVICTABLE, pin_from
+from ..generation.engine import needs_probe, prefill
+from ..generation.prompts import (
+    as_tokenizer,
+    context_spans,
+    encode_with_spans,
+    has_chat_template,
+    split_question_prompts,
+)
 from ..models.support import model_support
 
 SUMMARY_QUESTION = "Summarize the text above in three sentences."

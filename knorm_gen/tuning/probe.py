@@ -20,8 +20,9 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import numpy as np
-from .corpus import text_of_tokens
+
 from ..platform.mlx_compat import is_full_attention, make_prompt_cache, record_attention
+from .corpus import text_of_tokens
 
 DEFAULT_THRESHOLD = -0.1
 
@@ -245,8 +246,8 @@ def make_probe_command() -> Any:
         Spearman correlation per KV head over pydoc prose), with the layers it suggests leaving
         uncompressed for the paper's rule."""
         from ..models.load import load_model
-        from ..platform.mlx_compat import model_context_length
         from ..models.support import describe_model
+        from ..platform.mlx_compat import model_context_length
 
         model, tokenizer = load_model(None if model_spec == "default" else model_spec)
         click.echo(describe_model(model, model_spec), err=json_path == "-")

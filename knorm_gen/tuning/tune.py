@@ -16,12 +16,22 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from .evaluate import (TUNE_FILLERS, TUNE_MODES, Doc, Evaluator, bootstrap_interval, head_tokens, measure,
-                       recovered_by_doc, summarize, tuning_cases)
 from ..eviction.layouts import CANDIDATES, describe
 from ..generation.prompts import as_tokenizer
 from ..generation.tunings import below_random
 from ..models.load import model_fingerprint
+from .evaluate import (
+    TUNE_FILLERS,
+    TUNE_MODES,
+    Doc,
+    Evaluator,
+    bootstrap_interval,
+    head_tokens,
+    measure,
+    recovered_by_doc,
+    summarize,
+    tuning_cases,
+)
 
 TUNE_ARMS = ("default", "spread25", "no_carry", "intrinsic", "low", "keydiff", "random")
 """What ``knorm-tune`` measures by default (``--arms`` for the others of :data:`CANDIDATES`):

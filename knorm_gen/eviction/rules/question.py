@@ -34,8 +34,16 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ...platform.mlx_compat import (KVCache, ProbeCache, RotatingKVCache, UnsupportedModelError, architecture,
-                          is_full_attention, make_prompt_cache, record_queries)
+from ...platform.mlx_compat import (
+    KVCache,
+    ProbeCache,
+    RotatingKVCache,
+    UnsupportedModelError,
+    architecture,
+    is_full_attention,
+    make_prompt_cache,
+    record_queries,
+)
 from .base import Rule, setting
 
 PROBE_DRAFT = 8
