@@ -154,6 +154,15 @@ def _one(name: str, pydoc: dict) -> Optional[Document]:
     return _cpython_file(name)
 
 
+def _measured(doc: Document, tokenizer: Any, min_tokens: int, max_tokens: int) -> Optional[Document]:
+    """``doc`` with its ``tokens`` measured by ``tokenizer`` (no special tokens), or None outside
+    ``[min_tokens, max_tokens]``; as it is without a tokenizer."""
+    if tokenizer is None:
+        return doc
+    n = len(tokenizer.encode(doc.text, add_special_tokens=False))
+    return Document(**{**asdict(doc), "tokens": n}) if min_tokens <= n <= max_tokens else None
+
+
 def documents(tokenizer: Any = None, min_tokens: int = 2000, max_tokens: int = 8000,
               limit: Optional[int] = None) -> list[Document]:
     """The documents in the fixed order, each with ``tokens`` measured by ``tokenizer``
@@ -165,11 +174,9 @@ def documents(tokenizer: Any = None, min_tokens: int = 2000, max_tokens: int = 8
         doc = _one(name, pydoc)
         if doc is None:
             continue
-        if tokenizer is not None:
-            n = len(tokenizer.encode(doc.text, add_special_tokens=False))
-            if not min_tokens <= n <= max_tokens:
-                continue
-            doc = Document(**{**asdict(doc), "tokens": n})
+        doc = _measured(doc, tokenizer, min_tokens, max_tokens)
+        if doc is None:
+            continue
         out.append(doc)
         if limit is not None and len(out) >= limit:
             break
@@ -372,12 +379,9 @@ def papers(tokenizer: Any = None, min_tokens: int = 2000, max_tokens: int = 3000
         doc = _paper(package, file, licence, pins)
         if doc is None or held_out is not None and doc.held_out != held_out:
             continue
-        if tokenizer is not None:
-            n = len(tokenizer.encode(doc.text, add_special_tokens=False))
-            if not min_tokens <= n <= max_tokens:
-                continue
-            doc = Document(**{**asdict(doc), "tokens": n})
-        out.append(doc)
+        doc = _measured(doc, tokenizer, min_tokens, max_tokens)
+        if doc is not None:
+            out.append(doc)
     return out
 
 
