@@ -9,6 +9,7 @@ resumes where it stopped).
         --arms default,random,paper --out benchmarks/results/grid-smollm2-2k.json
     python benchmarks/grid.py --report benchmarks/results/grid-smollm2-2k.json
 
+A rerun with more ``--arms`` adds them to the file, reading the full cache's rows back.
 ``--docs A:B`` takes documents A to B-1 of :func:`documents.documents` (the fixed order);
 ``--tokens N`` cuts each to its first N tokens (a sentence end); ``--ratios`` are compressions
 (each arm keeps a document's tokens / ratio). Arms are names of
@@ -107,28 +108,53 @@ def run(args: argparse.Namespace) -> dict:
     todo = cases(tok, docs, [f for f in args.fillers.split(",") if f], args.tokens)
     out = Path(args.out) if args.out else None
     result = json.loads(out.read_text()) if out and out.exists() else {"rows": []}
+    before = result.get("meta", {})
     result["meta"] = dict(model=args.model, source=args.source, held_out=args.held_out,
                           docs=[d.name for d in docs], tokens=args.tokens, ratios=ratios,
                           arms=arms, argv=sys.argv[1:], machine=platform.processor() or platform.machine(),
                           commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                 text=True).stdout.strip())
-    done = {(r["ratio"], r["case"]) for r in result["rows"]}
+    result["meta"]["arms"] = {**before.get("arms", {}), **arms}
+    if "--arms" in result["meta"]["argv"]:  # the one command that makes the whole file, arms added later included
+        result["meta"]["argv"][result["meta"]["argv"].index("--arms") + 1] = ",".join(result["meta"]["arms"])
+    present: dict = {}
+    for r in result["rows"]:
+        present.setdefault((r["ratio"], r["case"]), set()).add(r["arm"])
     full_rows: dict = {}
     for ratio in ratios:
-        ev = Evaluator(model, tok, arms, ratio=ratio, log=lambda m: None, modes=("ctq", "prompt"))
-        ev.full_rows = full_rows
         for kind, doc, key, depth in todo:
             case = f"{doc.name}:{key}"
-            if (ratio, case) in done:
+            missing = {a: f for a, f in arms.items() if a not in present.get((ratio, case), ())}
+            if not missing:
                 continue
+            # arms added to a results file: the full cache's rows (and its own summary) are read back, not rerun
+            ev = Evaluator(model, tok, missing, ratio=ratio, log=lambda m: None, modes=("ctq", "prompt"))
+            ev.full_rows = full_rows
+            if "full" in present.get((ratio, case), ()):
+                seed_full_rows(ev, [r for r in result["rows"] if r["ratio"] == ratio and r["case"] == case],
+                               kind, doc, key, depth)
             tic = time.perf_counter()
             rows = (ev.document(doc, key, depth) if kind == "document"
                     else ev.passkey(doc.name, with_needle(doc.text, depth, key), key, depth))
-            result["rows"] += [{**r, "ratio": ratio, "case": case} for r in rows]
+            result["rows"] += [{**r, "ratio": ratio, "case": case} for r in rows
+                               if r["arm"] in missing or "full" not in present.get((ratio, case), ())]
             print(f"{ratio:g}x {case} {time.perf_counter() - tic:.0f}s", flush=True)
             if out:
                 out.write_text(json.dumps(result))
     return result
+
+
+def seed_full_rows(ev: Evaluator, rows: list[dict], kind: str, doc: Doc, key: str, depth: float) -> None:
+    """Hand ``ev`` a case's full-cache rows read from a results file, so arms added later are
+    scored against the same references without prefilling the full cache again."""
+    strip = ("ratio", "case")
+    full = [{k: v for k, v in r.items() if k not in strip} for r in rows if r["arm"] in ("none", "full")]
+    if kind == "document":
+        refs = {r["task"]: r["reference_ids"] for r in full if r["arm"] == "none"}
+        ev.full_rows["document", doc.name, key, depth, len(doc.text)] = (refs, full)
+    else:
+        context = with_needle(doc.text, depth, key)
+        ev.full_rows["passkey", doc.name, key, depth, len(context), ev.modes] = ([], full)
 
 
 def report(result: dict) -> str:

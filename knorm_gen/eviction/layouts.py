@@ -18,6 +18,7 @@ CANDIDATES: dict[str, dict] = {
     "no_carry": _layout("default", carry=0.0),
     "spread25": _layout("default", spread=0.25),
     "spread50": _layout("default", spread=0.5),
+    "spread70": _layout("default", spread=0.7),
     "best": _layout("default", question_score="best"),
     "per_query": _layout("default", question_score="per_query"),
     # the other presets, and their rules alone in every layer at the default's recent quarter
