@@ -93,14 +93,49 @@ def test_a_layout_below_random_beyond_its_interval_is_never_chosen():
     assert choose(table, "both", ARMS)[0] == "paper"
 
 
-def fidelity_rows(recovered: dict[str, list[float]]) -> list[dict]:
+def fidelity_rows(recovered: dict[str, list[float]], task: str = "fidelity") -> list[dict]:
     """Hand-made fidelity rows: per arm its recovered share on each document (none at 3, full at 1)."""
     rows = []
     for i in range(len(next(iter(recovered.values())))):
-        rows += [dict(task="fidelity", doc=f"d{i}", arm="none", nll=3.0),
-                 dict(task="fidelity", doc=f"d{i}", arm="full", nll=1.0)]
-        rows += [dict(task="fidelity", doc=f"d{i}", arm=a, nll=3.0 - 2.0 * v[i]) for a, v in recovered.items()]
+        rows += [dict(task=task, doc=f"d{i}", arm="none", nll=3.0),
+                 dict(task=task, doc=f"d{i}", arm="full", nll=1.0)]
+        rows += [dict(task=task, doc=f"d{i}", arm=a, nll=3.0 - 2.0 * v[i]) for a, v in recovered.items()]
     return rows
+
+
+def test_human_written_summaries_judge_the_choice_where_the_documents_carry_them():
+    from knorm_gen.cli.tune import tune_table
+    from knorm_gen.tuning.tune import decide
+
+    arms = {a: CANDIDATES[a] for a in ("default", "spread50", "random")}
+    # against the full cache's own summary the default leads; against the authors' summaries it is
+    # 0.2 below random on every document, and spread50 is level with random
+    own = fidelity_rows({"random": [0.4] * 4, "default": [0.7] * 4, "spread50": [0.5] * 4})
+    human = fidelity_rows({"random": [0.6] * 4, "default": [0.4] * 4, "spread50": [0.6] * 4}, "fidelity_human")
+    texts = {f"d{i}": "x " * 50 for i in range(4)}
+    record = decide(own, texts, lambda t: t.split(), "summarize", arms)
+    assert record["fidelity_measure"] == "fidelity" and record["chosen"] == "default"
+    record = decide(own + human, texts, lambda t: t.split(), "summarize", arms)
+    assert record["fidelity_measure"] == "fidelity_human" and record["chosen"] == "spread50"
+    assert record["table"]["default"]["recovered"] == pytest.approx(0.4)
+    assert record["table"]["default"]["vs_random"] == pytest.approx(-0.2)
+    assert record["table"]["default"]["recovered_human"] == pytest.approx(0.4)
+    assert "the share recovered of the documents' human-written summaries" in tune_table(record)
+
+
+def test_the_summary_field_of_tuning_documents_is_read_and_a_bad_one_named(tmp_path):
+    from knorm_gen.cli.options import UsageFailure
+    from knorm_gen.cli.tune import _tune_documents
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text(json.dumps({"id": "a", "context": "Body.", "abstract": " The authors' words. "}) + "\n"
+                    + json.dumps({"id": "b", "context": "Other body."}) + "\n")
+    docs = _tune_documents(str(path), "context", 5, "abstract")
+    assert [(d.name, d.summary) for d in docs] == [("a", "The authors' words."), ("b", None)]
+    assert [d.summary for d in _tune_documents(str(path), "context", 5)] == [None, None]
+    path.write_text(json.dumps({"id": "a", "context": "Body.", "summary": ["a list"]}) + "\n")
+    with pytest.raises(UsageFailure, match="line 1: field 'summary' must be the summary's text"):
+        _tune_documents(str(path), "context", 5)
 
 
 def test_the_table_says_when_its_documents_cannot_separate_the_arms():

@@ -21,7 +21,7 @@ from ..eviction.config import (
 from ..eviction.layouts import CANDIDATES, describe
 from ..generation.tunings import save_tuning
 from ..models.load import get_model
-from ..tuning.evaluate import TUNE_FILLERS
+from ..tuning.evaluate import FIDELITY_MEASURES, TUNE_FILLERS
 from ..tuning.tune import DOC_TOKENS, QUICK_ARMS, QUICK_DOCS, SWEEP_RATIOS, TUNE_ARMS, TUNE_DOCS, bounded, tune
 from .options import HELP, UsageFailure, model_option, refusal
 
@@ -33,6 +33,10 @@ TUNE_JOB_HINT = ("--job is knorm-batch's job file; knorm-tune chooses a layout f
 @model_option
 @click.option("--context-field", default="context", show_default=True,
               help="The field of DOCS holding a document, as knorm-batch's --context-field.")
+@click.option("--summary-field", default="summary", show_default=True,
+              help="The field of DOCS holding a human-written summary of the document (an abstract, an "
+                   "editor's summary). Where rows carry one, summary fidelity is judged against it; else against "
+                   "the full cache's own summary. The table says which.")
 @click.option("--budget", type=click.IntRange(min=8), default=None,
               help="As in knorm-batch: given alone, the fixed budget your runs use (every candidate keeps N tokens "
                    "of each document, so the compression measured is each document's tokens / N); with --ratio, a "
@@ -62,7 +66,8 @@ TUNE_JOB_HINT = ("--job is knorm-batch's job file; knorm-tune chooses a layout f
               help="Budget sweep: compression ratios at which the chosen layout is measured again, comma-separated "
                    "(default with a target: 8,6,4,3,2); reports the smallest budget meeting the targets.")
 @click.version_option(__version__, prog_name="knorm-tune")
-def tune_command(docs: Optional[str], model: str, context_field: str, budget: Optional[int], ratio: float,
+def tune_command(docs: Optional[str], model: str, context_field: str, summary_field: str,
+                 budget: Optional[int], ratio: float,
                  task: str, arms: Optional[str], docs_limit: Optional[int], doc_tokens: int, quick: bool,
                  out: Optional[str], no_save: bool, target_fidelity: Optional[float], target_keys: Optional[float],
                  sweep_ratios: Optional[str]) -> None:
@@ -70,8 +75,9 @@ def tune_command(docs: Optional[str], model: str, context_field: str, budget: Op
 
     DOCS: JSONL rows with the document in --context-field (as knorm-batch reads
     them). The layouts are measured on three tasks at your run's compression,
-    through the product's own prefill: summary fidelity (the full cache's own
-    summary, teacher-forced), pass keys placed inside the documents and in repeated
+    through the product's own prefill: summary fidelity (teacher-forced: against
+    the human-written summary in --summary-field where rows carry one, else against the
+    full cache's own summary), pass keys placed inside the documents and in repeated
     filler (a filler's also asked inside one prompt, as generate_with_eviction runs
     it), and perplexity: one prefill per layout and document serves all three. Each
     document is measured at its own length (cut above --doc-tokens) at --budget or
@@ -94,7 +100,8 @@ def tune_command(docs: Optional[str], model: str, context_field: str, budget: Op
     sweep = _sweep_ratios(sweep_ratios) if sweep_ratios else \
         SWEEP_RATIOS if target_fidelity is not None or target_keys is not None else ()
     names = _tune_arms(arms, quick)
-    documents = _tune_documents(docs, context_field, docs_limit or (QUICK_DOCS if quick else TUNE_DOCS))
+    documents = _tune_documents(docs, context_field, docs_limit or (QUICK_DOCS if quick else TUNE_DOCS),
+                                summary_field)
     try:
         loaded, tokenizer = get_model(model)
     except (BatchUsageError, ValueError) as e:
@@ -186,8 +193,9 @@ def sweep_table(sweep: dict) -> str:
     return "\n".join(lines)
 
 
-def _tune_documents(path: Optional[str], field: str, limit: int) -> list:
-    """The documents to tune on: DOCS' rows, or the shipped corpus. UsageFailure names a bad file."""
+def _tune_documents(path: Optional[str], field: str, limit: int, summary_field: str = "summary") -> list:
+    """The documents to tune on: DOCS' rows (with the human-written summary in ``summary_field``
+    where a row has one), or the shipped corpus. UsageFailure names a bad file."""
     import json
 
     from ..tuning.corpus import pydoc_sections
@@ -219,7 +227,11 @@ def _tune_documents(path: Optional[str], field: str, limit: int) -> list:
             name = f": --context-field {texts[0]}" if len(texts) == 1 else " with --context-field"
             raise UsageFailure(f"{path} line {n}: no text in field '{field}' (it has: {have}); name the document's "
                                f"field{name}")
-        docs.append(Doc(str(row.get("id", n)), text))
+        summary = row.get(summary_field)
+        if summary is not None and not isinstance(summary, str):
+            raise UsageFailure(f"{path} line {n}: field '{summary_field}' must be the summary's text, got "
+                               f"{type(summary).__name__}; name another field with --summary-field")
+        docs.append(Doc(str(row.get("id", n)), text, summary.strip() if summary and summary.strip() else None))
         if len(docs) >= limit:
             break
     if not docs:
@@ -238,7 +250,8 @@ def tune_table(record: dict) -> str:
              f"{'in docs':>8s} {'filler':>7s} {'ppl x':>6s}  memory"]
     lines += [_tune_row(a, table[a], width, a == record["chosen"]) for a in order if a in table]
     lines.append("keys: found of those the full cache found (in the documents, in repeated filler); "
-                 "fidelity: summary recovered; vs random: the mean paired difference to random eviction over "
+                 f"fidelity: the share recovered of {FIDELITY_MEASURES[record.get('fidelity_measure', 'fidelity')]}"
+                 "; vs random: the mean paired difference to random eviction over "
                  "documents, with its 95% bootstrap interval; ppl: perplexity of each document's end vs the full cache")
     compression = list((record.get("compression") or {}).values())
     if compression:

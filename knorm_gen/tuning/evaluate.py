@@ -391,15 +391,28 @@ def recovered_by_doc(rows: Iterable[dict], arm: str, task: str = "fidelity") -> 
             if arm in v and "none" in v and "full" in v and v["none"] - v["full"] > MIN_GAIN}
 
 
-def summarize(rows: Iterable[dict], arms: Sequence[str]) -> dict[str, dict]:
-    """Per arm: the mean recovered share, its paired difference to ``random`` with a bootstrap
-    95% interval over documents and the wins, pass keys found (and the full cache's),
-    perplexity ratio to the full cache."""
+FIDELITY_MEASURES = {"fidelity_human": "the documents' human-written summaries",
+                     "fidelity": "the full cache's own summary"}
+"""The summary-fidelity measures (a row's ``task``), the first one a reader's: a measure
+anchored on what the document says, where the documents carry a human-written summary."""
+
+
+def fidelity_measure(rows: Iterable[dict]) -> str:
+    """The measure to judge by: ``fidelity_human`` where some document carries a human-written
+    summary the document makes likelier (:data:`MIN_GAIN`), else ``fidelity``."""
+    return "fidelity_human" if recovered_by_doc(rows, "full", "fidelity_human") else "fidelity"
+
+
+def summarize(rows: Iterable[dict], arms: Sequence[str], measure: str = "fidelity") -> dict[str, dict]:
+    """Per arm: the mean recovered share by ``measure`` (a task of :data:`FIDELITY_MEASURES`),
+    its paired difference to ``random`` with a bootstrap 95% interval over documents and
+    the wins, the share recovered of the human-written summaries, pass keys found (and the
+    full cache's), perplexity ratio to the full cache."""
     rows = list(rows)
-    rand = recovered_by_doc(rows, "random")
+    rand = recovered_by_doc(rows, "random", measure)
     out: dict[str, dict] = {}
     for arm in arms:
-        rec = recovered_by_doc(rows, arm)
+        rec = recovered_by_doc(rows, arm, measure)
         diffs = [rec[d] - rand[d] for d in rec if d in rand]
         human = recovered_by_doc(rows, arm, "fidelity_human")
         out[arm] = dict(recovered=float(np.mean(list(rec.values()))) if rec else None, fidelity_docs=len(rec),

@@ -26,6 +26,7 @@ from .evaluate import (
     Doc,
     Evaluator,
     bootstrap_interval,
+    fidelity_measure,
     head_tokens,
     measure,
     recovered_by_doc,
@@ -183,7 +184,7 @@ def _random_why(summary: dict[str, dict], job: str, excluded: Sequence[str]) -> 
 
 
 def separation_note(rows: Iterable[dict], summary: dict[str, dict], ranked: Sequence[str],
-                    chosen: str) -> Optional[str]:
+                    chosen: str, measure: str = "fidelity") -> Optional[str]:
     """A line when the documents cannot separate the chosen layout from random eviction
     or from the runner-up (the 95% interval of its paired difference to either spans 0,
     or there are too few documents for one); None when they can, or random was chosen."""
@@ -193,7 +194,7 @@ def separation_note(rows: Iterable[dict], summary: dict[str, dict], ranked: Sequ
     intervals = [summary[chosen].get("vs_random_interval")]
     runner_up = next((a for a in ranked if a != chosen), None)
     if runner_up is not None:
-        ours, theirs = recovered_by_doc(rows, chosen), recovered_by_doc(rows, runner_up)
+        ours, theirs = recovered_by_doc(rows, chosen, measure), recovered_by_doc(rows, runner_up, measure)
         intervals.append(bootstrap_interval([ours[d] - theirs[d] for d in ours if d in theirs]))
     if all(iv is not None and not iv[0] <= 0 <= iv[1] for iv in intervals):
         return None
@@ -280,15 +281,20 @@ def tune(model: Any, tokenizer: Any, docs: Sequence[Doc], *, ratio: Optional[flo
 
 def decide(rows: list[dict], docs: dict[str, str], encode: Callable[[str], Sequence[int]], job: str,
            arms: dict[str, dict]) -> dict:
-    """The choice from measured rows: the table (the documents whose reference is
-    degenerate left out of fidelity), the chosen layout's name and settings, why, and the
-    note when the documents cannot separate the arms."""
+    """The choice from measured rows: the table (summary fidelity judged against the
+    documents' human-written summaries where they carry them, else against the full cache's
+    own summary, ``fidelity_measure`` saying which; the documents whose own-summary reference
+    is degenerate left out of that one), the chosen layout's name and settings, why, and
+    the note when the documents cannot separate the arms."""
     left_out = degenerate_references(rows, docs, encode)
     kept = without_fidelity_of(rows, left_out)
-    table = summarize(kept, ["full", *arms])
+    measure = fidelity_measure(kept)
+    table = summarize(kept, ["full", *arms], measure)
     name, why = choose(table, job, arms)
     return dict(chosen=name, why=why, layout=dict(arms[name]), layout_text=describe(arms[name]), table=table,
-                left_out=left_out, separation=separation_note(kept, table, rank(table, job, arms), name),
+                fidelity_measure=measure,
+                separation=separation_note(kept, table, rank(table, job, arms), name, measure),
+                left_out=left_out,
                 bounded=bounded(arms[name]))
 
 
@@ -302,7 +308,8 @@ def _sweep(model: Any, tok: Any, record: dict, evaluator: Evaluator, cases: list
         again = Evaluator(model, tok, {name: record["layout"]}, ratio=r, log=log, modes=TUNE_MODES)
         again.full_rows = evaluator.full_rows
         rows = measure(again, cases, f"sweep {r:g}x", progress, log)
-        t = summarize(without_fidelity_of(rows, record["left_out"]), ["full", name])[name]
+        t = summarize(without_fidelity_of(rows, record["left_out"]), ["full", name],
+                      record.get("fidelity_measure", "fidelity"))[name]
         points.append(dict(ratio=r, budget=_mean_budget([x for x in rows if x["arm"] == name]),
                            recovered=t["recovered"], keys_of_full=t["keys_of_full"], full_keys=t["full_keys"]))
     return budget_sweep(name, points, *targets)
