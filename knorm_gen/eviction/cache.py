@@ -848,8 +848,8 @@ def make_eviction_cache(model: nn.Module, config: Union[EvictionConfig, Resolved
 
     def layer(i, c, plan):
         if plan is not None:
-            return EvictionKVCache(plan[0], config.n_sink, plan[1], config.rule_of(i), config.coverage, spans, bits,
-                                   group, spread=config.spread, salt=i)
+            return EvictionKVCache(plan.budget, config.n_sink, plan.recent, config.rule_of(i), config.coverage, spans,
+                                   bits, group, spread=config.spread, salt=i)
         if bits and is_full_attention(c):
             return EvictionKVCache(UNBOUNDED, 0, 0, "low", 0.0, ALL_EVICTABLE, bits, group)
         return c
