@@ -37,7 +37,7 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from knorm_gen import PRESETS, EvictionConfig, EvictionKVCache, cache_stats, make_eviction_cache, runtime_info
 from knorm_gen.eviction.config import early_layers
 from knorm_gen.platform.mlx_compat import full_attention_layers
-from knorm_gen.eviction.rules import RULES, rule_needs
+from knorm_gen.eviction.rules import RULES
 from knorm_gen.eviction.rules.question import Probe
 
 ARMS = ("full", "rotating", "l2norm", "keydiff", "blend", "skip30", "paper", "intrinsic")
@@ -142,7 +142,7 @@ def rule_cost(model, budget: int, step: int, repeats: int = 5, steps: int = 64) 
         best_block = best_step = float("inf")
         for _ in range(repeats):
             c = EvictionKVCache(budget, keep=keep)
-            if rule_needs(keep) == "probe":
+            if RULES[keep].reads_probe:
                 c.set_probe([probe])
             c.update_and_fetch(blocks[0], blocks[0])
             mx.eval(c.state)

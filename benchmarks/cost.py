@@ -166,7 +166,7 @@ def arm_config(arm: str) -> EvictionConfig:
 def layer_budget(resolved) -> Optional[int]:
     """The budget of a row's compressed layers (None: no layer is compressed)."""
     plans = [p for p in resolved.layers if p is not None]
-    return plans[0][0] if plans else None
+    return plans[0].budget if plans else None
 
 
 def fresh() -> None:

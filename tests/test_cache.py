@@ -17,7 +17,7 @@ from knorm_gen.platform.mlx_compat import own_layer_masks
 from knorm_gen.eviction.rules import RULES
 from knorm_gen.eviction.selection import PAD
 
-RUNNING = {name for name, rule in RULES.items() if rule.needs == "running"}
+RUNNING = {name for name, rule in RULES.items() if rule.keeps_state()}
 
 from .conftest import numpy_running_kept, random_tokens, tiny_llama
 

@@ -18,7 +18,7 @@ from .test_cache import distinct_norm_keys, feed_keys, kept_positions
 from .test_question import reference_scores
 
 T, BUDGET, N_SINK, RECENT = 48, 14, 3, 4
-RUNNING = sorted(name for name, rule in RULES.items() if rule.needs == "running")
+RUNNING = sorted(name for name, rule in RULES.items() if rule.keeps_state())
 ANCHORED = ("keydiff", "blend")
 
 
@@ -26,7 +26,7 @@ def rule_cases() -> list[tuple[str, dict]]:
     """``(keep, settings)`` for every rule, and for the question rule every reading."""
     cases = []
     for name, rule in RULES.items():
-        if rule.needs == "probe":
+        if rule.reads_probe:
             cases += [(name, {"question_score": r}) for r in READINGS]
         else:
             cases.append((name, {}))
@@ -74,7 +74,7 @@ def question_reference(reading, keys, q, pieces):
 def rule_cache(keep, settings, keys, seed, budget=BUDGET, n_sink=N_SINK, recent=RECENT):
     """A cache for ``keep``; a probed rule gets :func:`question_probe` for these keys."""
     cache = EvictionKVCache(budget, n_sink, recent, keep, **settings)
-    if RULES[keep].needs == "probe":
+    if RULES[keep].reads_probe:
         cache.set_probe([as_probe(*question_probe(keys.shape[1], keys.shape[3], keys.shape[2], seed))])
     return cache
 
@@ -152,7 +152,7 @@ def test_a_batch_row_keeps_what_the_row_keeps_alone(keep, settings):
               for n in lengths]
     singles = [EvictionKVCache(BUDGET, N_SINK, RECENT, keep, **settings) for _ in lengths]
     batch = EvictionKVCache.merge([EvictionKVCache(BUDGET, N_SINK, RECENT, keep, **settings) for _ in lengths])
-    if RULES[keep].needs == "probe":
+    if RULES[keep].reads_probe:
         batch.set_probe(probes)
         for c, p in zip(singles, probes):
             c.set_probe([p])
@@ -178,7 +178,7 @@ def test_a_batch_row_keeps_what_the_row_keeps_alone(keep, settings):
 
 
 # question measures a key against the mean score of its block's neighbours: path dependent, like the running rules
-@pytest.mark.parametrize("keep", [k for k, r in RULES.items() if k != "random" and not r.needs])
+@pytest.mark.parametrize("keep", [k for k, r in RULES.items() if k != "random" and not r.reads_probe and not r.keeps_state()])
 def test_deterministic_rules_are_path_independent(keep):
     keys = distinct_norm_keys(T, np.random.default_rng(11), heads=2)
     kept = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..eviction.config import (
     EVICTION_FIELDS,
@@ -21,11 +21,70 @@ from ..eviction.legacy import current_settings
 from ..generation.admission import parse_size
 from .options import CONFIG_FIELDS, OPTION_FIELDS, ROW_SHAPE_FIELDS, UsageFailure, parse_template_config
 
-RUN_KEYS = ("input", "output", "model", "batch_size", "stats_log", "summary_json", "texts", "limit", "max_kv_memory",
-            "extra_eos_tokens", "chat_template_config", "adapter_path", "trust_remote_code", "glob", "calibrate")
+
+def _path(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError
+    return _expand(value)
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError
+    return value
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError
+    return value
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError
+    return value
+
+
+def _token(value: Any) -> bool:
+    return isinstance(value, (str, int)) and not isinstance(value, bool)
+
+
+def _tokens(value: Any) -> tuple[str, ...]:
+    tokens = [value] if _token(value) else value
+    if not isinstance(tokens, list) or not all(_token(t) for t in tokens):
+        raise ValueError
+    return tuple(str(t) for t in tokens)
+
+
+def _patterns(value: Any) -> tuple[str, ...]:
+    globs = [value] if isinstance(value, str) else value
+    if not isinstance(globs, list) or not globs or not all(isinstance(g, str) and g.strip() for g in globs):
+        raise ValueError
+    return tuple(globs)
+
+
+_PATH = (_path, "a path string")
+_INTEGER = (_integer, "an integer")
+RUN_FIELDS: dict[str, tuple[Callable[[Any], Any], Optional[str]]] = {
+    "input": _PATH, "output": _PATH, "model": (_text, "text"), "batch_size": _INTEGER, "stats_log": _PATH,
+    "summary_json": _PATH, "texts": _PATH, "limit": _INTEGER,
+    "max_kv_memory": (parse_size, None),
+    "extra_eos_tokens": (_tokens, "a token or a list of tokens (text or ids)"),
+    "chat_template_config": (parse_template_config, None),
+    "adapter_path": _PATH, "trust_remote_code": (_flag, "true or false"),
+    "glob": (_patterns, 'a file name pattern or a list of them, such as ["*.md", "*.txt"]'), "calibrate": _INTEGER,
+}
+"""The job file's top-level keys, each with what turns its value into the run's (a ValueError:
+not that) and what the value must be, in words (None: the ValueError says it, as the parsers of
+the options ``--max-kv-memory`` and ``--chat-template-config`` do, which these keys share)."""
+
+RUN_KEYS = tuple(RUN_FIELDS)
 JOB_KEYS = {None: RUN_KEYS, "eviction": EVICTION_FIELDS + ("preset",), "generation": GENERATION_FIELDS,
             "rows": ROWS_FIELDS}
-JOB_PATHS = ("input", "output", "stats_log", "summary_json", "texts", "adapter_path")
+JOB_PATHS = tuple(key for key, field in RUN_FIELDS.items() if field is _PATH)
+
+
 def _expand(path: str) -> str:
     return path if path == "-" else os.path.expanduser(path)
 
@@ -70,47 +129,23 @@ def _flatten_job(path: str, data: dict) -> dict:
 
 
 def _check_run_keys(path: str, flat: dict) -> None:
+    """Each top-level key of ``flat`` as :data:`RUN_FIELDS` turns it; a path relative to the job file's folder."""
     job_dir = Path(path).expanduser().parent
-    for key in JOB_PATHS:
+    for key in RUN_KEYS:
         if key in flat:
-            if not isinstance(flat[key], str) or not flat[key]:
-                raise UsageFailure(f"job file {path}: '{key}' must be a path string")
-            value = _expand(flat[key])
-            if value != "-" and not Path(value).is_absolute():
-                value = os.path.normpath(job_dir / value)
-            flat[key] = value
-    if "model" in flat and not isinstance(flat["model"], str):
-        raise UsageFailure(f"job file {path}: 'model' must be text, got {flat['model']!r}")
-    for key in ("limit", "batch_size", "calibrate"):
-        if key in flat and (isinstance(flat[key], bool) or not isinstance(flat[key], int)):
-            raise UsageFailure(f"job file {path}: '{key}' must be an integer, got {flat[key]!r}")
-    if "max_kv_memory" in flat:
-        try:
-            flat["max_kv_memory"] = parse_size(flat["max_kv_memory"])
-        except ValueError as e:
-            raise UsageFailure(f"job file {path}: max_kv_memory: {e}") from None
-    if "extra_eos_tokens" in flat:
-        tokens = flat["extra_eos_tokens"]
-        tokens = [tokens] if isinstance(tokens, (str, int)) and not isinstance(tokens, bool) else tokens
-        if not isinstance(tokens, list) or not all(isinstance(t, (str, int)) and not isinstance(t, bool)
-                                                   for t in tokens):
-            raise UsageFailure(f"job file {path}: 'extra_eos_tokens' must be a list of tokens (text or ids), "
-                               f"got {flat['extra_eos_tokens']!r}")
-        flat["extra_eos_tokens"] = tuple(str(t) for t in tokens)
-    if "chat_template_config" in flat:
-        try:
-            flat["chat_template_config"] = parse_template_config(flat["chat_template_config"])
-        except ValueError as e:
-            raise UsageFailure(f"job file {path}: {e}") from None
-    if "glob" in flat:
-        globs = [flat["glob"]] if isinstance(flat["glob"], str) else flat["glob"]
-        if not isinstance(globs, list) or not globs or not all(isinstance(g, str) and g.strip() for g in globs):
-            raise UsageFailure(f"job file {path}: 'glob' must be a file name pattern or a list of them, such as "
-                               f"[\"*.md\", \"*.txt\"], got {flat['glob']!r}")
-        flat["glob"] = tuple(globs)
-    if "trust_remote_code" in flat and not isinstance(flat["trust_remote_code"], bool):
-        raise UsageFailure(f"job file {path}: 'trust_remote_code' must be true or false, "
-                           f"got {flat['trust_remote_code']!r}")
+            flat[key] = _run_value(path, key, flat[key])
+            if key in JOB_PATHS and flat[key] != "-" and not Path(flat[key]).is_absolute():
+                flat[key] = os.path.normpath(job_dir / flat[key])
+
+
+def _run_value(path: str, key: str, value: Any) -> Any:
+    """``value`` as :data:`RUN_FIELDS` turns it; UsageFailure names the file, the key, what it must be and the value."""
+    parse, what = RUN_FIELDS[key]
+    try:
+        return parse(value)
+    except ValueError as e:
+        said = f"'{key}' must be {what}, got {value!r}" if what else f"'{key}': {e}"
+        raise UsageFailure(f"job file {path}: {said}") from None
 
 
 def load_job(path: str) -> dict:

@@ -43,7 +43,7 @@ from .config import CACHE_BUDGET, EvictionConfig, ResolvedEviction, validate_evi
 from .legacy import OLD_CACHE_CLASSES, old_row_state, saved_rule
 from .quant import Stored
 from .rules import RULES, Rule, make_rule
-from .rules.question import REPEAT_PENALTY, Probe, ProbeBatch, make_probe
+from .rules.question import Probe, make_probe
 from .selection import (
     PAD,
     PROTECTED,
@@ -120,13 +120,13 @@ class BatchEvictionKVCache(_BaseCache):
         # int64 per slot: (score bits << 32) | position; pinned ones are negative, empty ones PAD.
         self.rank: Optional[mx.array] = None
         self.free: Optional[mx.array] = None  # (B, H): the hole of each (row, head) after a decode step
-        self.state_of_rule: Optional[mx.array] = None  # a running rule's state over every token seen
+        self.state_of_rule: Any = None  # the rule's running state over every token seen (Rule.update)
         self.group: Optional[CarryGroup] = None  # the carrying layers this one reads (carry.py)
         self.carry_board: Optional[mx.array] = None  # (B, positions): this layer's best standardised scores
         self.carry_stats: Optional[mx.array] = None  # (B, H, 3): what they were standardised by
         self._lengths: Optional[list[int]] = None  # prepare(): real tokens per row of a padded call
         self._consumed = 0
-        self._probe_batch: Optional[tuple] = None
+        self._probe_batch: Optional[tuple] = None  # (the probes' ids, what the rule prepared of them)
         self._spans_for = self._spans_arr = None
         self._sync_offset()
 
@@ -317,7 +317,7 @@ class BatchEvictionKVCache(_BaseCache):
         if self.keys is None:
             return 0
         extra = sum(x.nbytes for x in (self.state_of_rule, self.carry_board, self.carry_stats) if x is not None)
-        extra += sum(a.nbytes for p in self.probes if p is not None for a in (p.queries, p.pieces, p.repeated))
+        extra += sum(p.nbytes for p in self.probes if p is not None)
         return quant.nbytes(self.keys) + quant.nbytes(self.values) + self.rank.nbytes + extra
 
     def is_trimmable(self) -> bool:
@@ -335,10 +335,10 @@ class BatchEvictionKVCache(_BaseCache):
     @property
     def carrying(self) -> bool:
         """Whether this layer keeps a share of its slots for what earlier layers scored best."""
-        return self.rule.carry > 0 and self.rule.needs == "probe" and self.bounded
+        return self.rule.carries and self.bounded
 
     def set_probe(self, probes: Sequence[Optional[Probe]], group: Optional[CarryGroup] = None) -> None:
-        """Give each row its probe (``keep="question"``) and, when this layer carries, the
+        """Give each row its probe (a rule that reads one) and, when this layer carries, the
         group of the prompt's carrying layers it joins (in layer order)."""
         if len(probes) != self.batch_size:
             raise ValueError(f"{len(probes)} probes for a cache of {self.batch_size} rows")
@@ -348,19 +348,21 @@ class BatchEvictionKVCache(_BaseCache):
         if self.group is not None:
             self.group.join(self)
 
-    def _probe_state(self) -> Optional[ProbeBatch]:
-        if self.rule.needs != "probe" or all(p is None for p in self.probes):
+    def _probe_state(self) -> Any:
+        """What the rule reads from the rows' probes (:meth:`~knorm_gen.eviction.rules.base.Rule.prepare`),
+        made once per set of probes; None when no row is probed."""
+        if not self.rule.reads_probe or all(p is None for p in self.probes):
             return None
         if any(p is None for p in self.probes):
             raise ValueError("the rows of one batch are all probed or none is: probe every row's caches "
                              "(knorm_gen.probe_caches) before batching them")
         key = tuple(id(p) for p in self.probes)
         if self._probe_batch is None or self._probe_batch[0] != key:
-            self._probe_batch = (key, ProbeBatch.stack(self.probes))
+            self._probe_batch = (key, self.rule.prepare(self.probes))
         return self._probe_batch[1]
 
     def _write_carry(self, rank: mx.array, start: Sequence[int]) -> None:
-        values, self.carry_stats = carry_values(rank, self.carry_stats, REPEAT_PENALTY)
+        values, self.carry_stats = carry_values(rank, self.carry_stats, self.rule.penalty)
         n = values.shape[-1]
         end = max(s + n for s in start)
         board = self.carry_board
@@ -405,8 +407,8 @@ class BatchEvictionKVCache(_BaseCache):
 
     def _all_pinned(self) -> bool:
         """Whether every row pins every position it is fed from now on (asked only for a
-        probed rule, the one rule that needs to know)."""
-        return self.rule.needs == "probe" and not any(evictable_from(s, n) for s, n in zip(self.spans, self.seen))
+        rule that reads a probe, the one kind that needs to know)."""
+        return self.rule.reads_probe and not any(evictable_from(s, n) for s, n in zip(self.spans, self.seen))
 
     def _rule_state_or_zeros(self) -> mx.array:
         if self.state_of_rule is not None:
@@ -415,24 +417,26 @@ class BatchEvictionKVCache(_BaseCache):
         return self.rule.zeros(self.batch_size, heads, dk)
 
     def _reference(self, keys: mx.array, real: Sequence[int], spans: Optional[mx.array]) -> Any:
-        """What the rule scores this block against; a running rule's state is updated first
-        and, for a block of more than one token, the held keys are re-scored against it."""
-        if self.rule.needs == "probe":
-            return self._probe_state()
-        if self.rule.needs != "running":
-            return None
+        """What the rule scores this block against: its running state, updated first (for a
+        block of more than one token the held keys are re-scored against it), or else the
+        rows' probe, or nothing."""
         self.state_of_rule = self.rule.update(self.state_of_rule, keys, self.seen, real)
+        if self.state_of_rule is None:
+            return self._probe_state()
         ref = self.rule.reference(self.state_of_rule, [s + r for s, r in zip(self.seen, real)])
-        width = max(self.counts, default=0)
-        if width and any(r > 1 for r in real):  # one reference for every score a block compares
-            self._compact()
-            width = max(self.counts)
-            held = self.rank[:, :, :width]
-            again = rescore(self.rule, self.n_sink, self._float_keys(width), held, ref, spans)
-            if not all(r > 1 for r in real):
-                again = mx.where(mx.array([r > 1 for r in real])[:, None, None], again, held)
-            self.rank[:, :, :width] = again
+        if max(self.counts, default=0) and any(r > 1 for r in real):  # one reference for all a block compares
+            self._rescore_held(ref, real, spans)
         return ref
+
+    def _rescore_held(self, ref: Any, real: Sequence[int], spans: Optional[mx.array]) -> None:
+        """The held keys of each row fed more than one token re-scored against ``ref``."""
+        self._compact()
+        width = max(self.counts)
+        held = self.rank[:, :, :width]
+        again = rescore(self.rule, self.n_sink, self._float_keys(width), held, ref, spans)
+        if not all(r > 1 for r in real):
+            again = mx.where(mx.array([r > 1 for r in real])[:, None, None], again, held)
+        self.rank[:, :, :width] = again
 
     # ---- a block ------------------------------------------------------------------------
     def _block(self, keys: mx.array, values: mx.array, real: list[int]):
@@ -844,8 +848,8 @@ def make_eviction_cache(model: nn.Module, config: Union[EvictionConfig, Resolved
 
     def layer(i, c, plan):
         if plan is not None:
-            return EvictionKVCache(plan[0], config.n_sink, plan[1], config.rule_of(i), config.coverage, spans, bits,
-                                   group, spread=config.spread, salt=i)
+            return EvictionKVCache(plan.budget, config.n_sink, plan.recent, config.rule_of(i), config.coverage, spans,
+                                   bits, group, spread=config.spread, salt=i)
         if bits and is_full_attention(c):
             return EvictionKVCache(UNBOUNDED, 0, 0, "low", 0.0, ALL_EVICTABLE, bits, group)
         return c
@@ -854,8 +858,8 @@ def make_eviction_cache(model: nn.Module, config: Union[EvictionConfig, Resolved
 
 
 def probed(caches: Sequence[Any]) -> bool:
-    """Whether any layer of ``caches`` scores against a probe (``keep="question"``)."""
-    return any(isinstance(c, BatchEvictionKVCache) and c.rule.needs == "probe" for c in caches)
+    """Whether any layer of ``caches`` scores against a probe (its rule reads one: ``keep="question"``)."""
+    return any(isinstance(c, BatchEvictionKVCache) and c.rule.reads_probe for c in caches)
 
 
 def set_probe(caches: Sequence[Any], probe: Sequence[Optional[Probe]]) -> list:
@@ -867,7 +871,7 @@ def set_probe(caches: Sequence[Any], probe: Sequence[Optional[Probe]]) -> list:
         raise ValueError(f"a probe of {len(probe)} layers for {len(caches)} caches")
     group = CarryGroup()
     for c, p in zip(caches, probe):
-        if isinstance(c, EvictionKVCache) and c.rule.needs == "probe":
+        if isinstance(c, EvictionKVCache) and c.rule.reads_probe:
             c.set_probe([p], group)
     return list(caches)
 

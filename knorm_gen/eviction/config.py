@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 from .quant import KV_GROUP_SIZES, check_head_dims, check_kv_quantization
 from .rules import KEEP_MODES, RULES, Rule, make_rule, setting_fields
@@ -168,9 +168,14 @@ def parse_ratio(value: Any) -> Optional[float]:
     return ratio
 
 
-UNSIZED = 1 << 30
-"""A compressed layer's budget in a layout whose budget follows the document (``ratio``)
-before the document is known (:meth:`ResolvedEviction.for_row` sets it)."""
+class LayerPlan(NamedTuple):
+    """What a compressed layer keeps: ``budget`` tokens, the last ``recent`` of them always.
+    Both None in a layout whose budget follows the document (``ratio``) until the document
+    is known (:meth:`ResolvedEviction.for_document`, :meth:`ResolvedEviction.for_row`)."""
+
+    budget: Optional[int]
+    recent: Optional[int]
+
 
 MIN_RATIO_BUDGET = 16
 """The fewest tokens a layer keeps of a document under ``ratio`` (a short document is kept whole below it)."""
@@ -573,15 +578,14 @@ class EvictionConfig:
                 if not -n_layers <= i < n_layers:
                     raise ValueError(f"{what} index {i} is out of range for a model with {n_layers} layers "
                                      f"(0 to {n_layers - 1})")
-        plan: list[Optional[tuple[int, int]]] = [None] * n_layers
-        base_budget = self.budget if self.ratio is None else UNSIZED
-        if base_budget is not None:
+        plan: list[Optional[LayerPlan]] = [None] * n_layers
+        if self.ratio is not None or self.budget is not None:
             skipped = {i % n_layers for i in skip}
             own = {i % n_layers: b for i, b in budgets.items()}
             for i in full:
-                if i not in skipped:
-                    b = own.get(i, base_budget)
-                    plan[i] = (b, self.layer_recent(min(b, MIN_RATIO_BUDGET) if b == UNSIZED else b))
+                if i not in skipped:  # under ratio the budget follows the document: None until it is known
+                    b = own.get(i, self.budget if self.ratio is None else None)
+                    plan[i] = LayerPlan(b, None if b is None else self.layer_recent(b))
         base_recent = self.layer_recent(self.budget) if self.budget else self.recent or 0
         early = self.early_rule()
         rules = {i: early for i in early_layers(n_layers, full_layers) if early and plan[i] is not None}
@@ -636,10 +640,11 @@ class EvictionConfig:
 @dataclass(frozen=True)
 class ResolvedEviction:
     """An :class:`EvictionConfig` made explicit for one model (see
-    :meth:`EvictionConfig.resolved`): ``layers[i]`` is ``(budget, recent)`` for a
+    :meth:`EvictionConfig.resolved`): ``layers[i]`` is the :class:`LayerPlan` of a
     layer the eviction cache replaces, or None for a layer left as the model made
     it (a skipped layer, a sliding-window or SSM layer, or every layer when
-    ``budget`` is None). The caches take it as it is."""
+    ``budget`` is None). Under ``ratio`` the plans hold no budget until the document
+    is known (:attr:`sized`). The caches take it as it is."""
 
     budget: Optional[int]
     n_sink: int
@@ -649,7 +654,7 @@ class ResolvedEviction:
     layer_budgets: Optional[dict[int, int]]
     n_layers: int
     full_layers: tuple[int, ...]
-    layers: tuple[Optional[tuple[int, int]], ...]
+    layers: tuple[Optional[LayerPlan], ...]
     coverage: float = 0.0
     kv_bits: Optional[int] = None
     kv_group_size: int = KV_GROUP_SIZES[1]
@@ -663,7 +668,7 @@ class ResolvedEviction:
     @property
     def sized(self) -> bool:
         """Whether every compressed layer's budget is known (a ratio needs the document's length first)."""
-        return not any(p is not None and p[0] == UNSIZED for p in self.layers)
+        return not any(p is not None and p.budget is None for p in self.layers)
 
     def for_document(self, doc_tokens: int, reserved: int = 0) -> "ResolvedEviction":
         """This layout for one document of ``doc_tokens`` positions: under ``ratio`` each
@@ -675,7 +680,7 @@ class ResolvedEviction:
 
     def _sized(self, b: int) -> "ResolvedEviction":
         r = auto_recent(b, self.recent_share, self.n_sink) if self.fixed_recent is None else self.fixed_recent
-        return replace(self, layers=tuple(None if p is None else (b, r) for p in self.layers))
+        return replace(self, layers=tuple(None if p is None else LayerPlan(b, r) for p in self.layers))
 
     def for_row(self, spans: Spans, n_ids: int) -> "ResolvedEviction":
         """This layout for one row: the document that ``spans`` mark in a prompt of ``n_ids``
@@ -689,7 +694,7 @@ class ResolvedEviction:
         follow each document (``ratio``) left out, as a batch cache holds one per row."""
         if self.ratio is None:
             return self
-        return replace(self, layers=tuple(None if p is None else (UNSIZED, 0) for p in self.layers))
+        return replace(self, layers=tuple(None if p is None else LayerPlan(None, None) for p in self.layers))
 
     def keep_of(self, layer: int) -> str:
         """The rule of ``layer``."""

@@ -208,7 +208,7 @@ class KVMemory:
         (a row whose budget follows its document)."""
         if eviction.ratio is None or not eviction.sized:
             return self
-        layers = [(row, plan[0] if plan is not None and cap is not None else cap)
+        layers = [(row, plan.budget if plan is not None and cap is not None else cap)
                   for (row, cap), plan in zip(self.layers, eviction.layers)]
         return KVMemory(layers, self.kv_bits, self.kv_group_size, own=self.own)
 

@@ -94,7 +94,7 @@ def block_ranks(rule: Rule, n_sink: int, keys: mx.array, start: Sequence[int], s
     every position of the block is pinned: no score is needed, and no warning is due."""
     first = mx.array(list(start), dtype=mx.int64).reshape(-1, 1, 1)
     positions = first + mx.arange(keys.shape[2], dtype=mx.int64)[None, None, :]
-    if rule.needs == "probe" and state is None:
+    if rule.reads_probe and state is None:
         if pinned:
             return pack_ranks(mx.zeros(keys.shape[:3], mx.float32), positions, n_sink, spans)
         warnings.warn(UNPROBED_WARNING, stacklevel=3)

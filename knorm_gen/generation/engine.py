@@ -29,7 +29,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from ..eviction.cache import copy_caches, make_eviction_cache, pin_caches, probe_caches, probed
 from ..eviction.config import DEFAULT_PREFILL_STEP, GenerationConfig, ResolvedEviction, settings_dict
-from ..eviction.rules import rule_needs
+from ..eviction.rules import RULES
 from ..eviction.spans import ALL_EVICTABLE, Spans, pin_from
 from ..models.support import model_support
 from ..platform.mlx_compat import generator_step, own_layer_masks
@@ -50,8 +50,8 @@ at this size; benchmarks/bench_batch.py measures others)."""
 
 def needs_probe(eviction: Any) -> bool:
     """Whether a resolved layout ranks any compressed layer against a probe of the
-    instructions (``keep="question"``)."""
-    return any(rule_needs(r) == "probe" for r in eviction.rules())
+    instructions (its rule reads one: ``keep="question"``)."""
+    return any(RULES[name].reads_probe for name in eviction.rules())
 
 
 def prefill(model: Any, ids: Sequence[int], caches: list, step: int = DEFAULT_PREFILL_STEP) -> list:

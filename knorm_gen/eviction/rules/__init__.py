@@ -1,5 +1,5 @@
 """The eviction rules, one small class per rule family (kvpress-style): each states its
-score and what the score needs (:class:`~knorm_gen.eviction.rules.base.Rule`); the selection
+score and the hooks it needs the cache to call (:class:`~knorm_gen.eviction.rules.base.Rule`); the selection
 machinery they share is :mod:`knorm_gen.eviction.selection`.
 
 - :mod:`.norm`: ``low`` (the paper's L2Norm rule, arXiv:2406.11430) and ``high`` (its ablation);
@@ -44,14 +44,9 @@ def make_rule(keep: Union[str, Rule], **settings: Any) -> Rule:
     return RULES[keep].from_settings(settings)
 
 
-def rule_needs(name: str) -> str:
-    """What rule ``name``'s score needs: ``""``, ``"running"`` or ``"probe"``."""
-    return RULES[name].needs
-
-
 def setting_fields() -> dict[str, tuple[type[Rule], Field]]:
     """Every rule's settings by their key: the rule that owns each and its field."""
     return {key: (cls, f) for cls in RULES.values() for key, f in cls.setting_fields().items()}
 
 
-__all__ = ["KEEP_MODES", "RULES", "Rule", "make_rule", "rule_needs", "setting", "setting_fields"]
+__all__ = ["KEEP_MODES", "RULES", "Rule", "make_rule", "setting", "setting_fields"]

@@ -1,4 +1,4 @@
-"""What a rule is: a score per key, lower kept first, and what the score needs.
+"""What a rule is: a score per key, lower kept first, and the hooks the cache calls.
 
 The caches share one selection machinery (:mod:`knorm_gen.eviction.selection`): a rule only
 states its score, so a new rule is one small class in one file of this package plus
@@ -8,6 +8,7 @@ its entry in :data:`knorm_gen.eviction.rules.RULES`, and the shared tests
 
 from __future__ import annotations
 
+import math
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, ClassVar, Mapping, Optional, Sequence
 
@@ -24,31 +25,52 @@ def setting(default: Any, help: str, *, key: Optional[str] = None, choices: Opti
 
 @dataclass(frozen=True, eq=True)
 class Rule:
-    """A ranking rule. ``score(keys (B, H, N, D), positions (B, 1, N), state)`` gives one
-    float32 per token ``(B, H, N)``; **lower is kept first**. A rule's settings are its
-    dataclass fields (:func:`setting`); ``Question(reading="mean", carry=0.25)`` is a
-    rule with its settings. ``needs`` says what ``state`` is:
+    """A ranking rule. The cache calls the hooks below and never asks which rule it holds;
+    each hook has a default, so a rule that scores the keys alone defines :meth:`score` and
+    nothing else. A rule's settings are its dataclass fields (:func:`setting`);
+    ``Question(reading="mean", carry=0.25)`` is a rule with its settings.
 
-    - ``""``: nothing (None): the keys alone;
-    - ``"running"``: state over every token the row has seen, kept by the cache with
-      :meth:`zeros`, :meth:`update` and read through :meth:`reference`; a block of
-      more than one token re-scores the held keys against the updated state;
-    - ``"probe"``: a probe of the job's instructions made before the document is read
-      (:mod:`knorm_gen.eviction.rules.question`), fixed, so held keys are never re-scored.
+    - :meth:`score` ``(keys (B, H, N, D), positions (B, 1, N), state)`` gives one float32 per
+      token ``(B, H, N)``; **lower is kept first**. ``state`` is what the hooks below made
+      (None for a rule that uses neither).
+    - Running state over every token a row has seen: :meth:`update` returns it after each
+      block (the default keeps none), :meth:`reference` is what :meth:`score` reads of it,
+      :meth:`zeros` is the state of rows that have seen nothing (batched beside rows that
+      have). While a rule keeps one, a block of more than one token re-scores the held keys
+      against the updated state, so one selection never compares scores made against
+      different states.
+    - A probe of the job's instructions, made before the document is read
+      (:mod:`knorm_gen.eviction.rules.question`): :attr:`reads_probe` asks for one, and
+      :meth:`prepare` makes what :meth:`score` reads from the rows' probes. A probe is fixed,
+      so held keys are never re-scored.
+    - :attr:`carries`: whether a layer keeps the share ``carry`` of its rule slots for the
+      positions the layers before it scored best (:mod:`knorm_gen.eviction.carry`); the
+      carrying layers are grouped where the probe is made, so only a rule that reads one
+      carries. :attr:`penalty`: what :meth:`score` adds to a key it ranks after the rest on
+      purpose, which carry then leaves out.
 
     ``early``: the rule of the early layers under ``early_keep="auto"`` (None: this one).
-    ``carry``: the share of a layer's rule slots kept for the positions the layers before it
-    scored best (:mod:`knorm_gen.eviction.carry`); 0 for a rule that does not carry.
     """
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""  # what it keeps, in a few words: the command line's help lists it
-    needs: ClassVar[str] = ""
+    reads_probe: ClassVar[bool] = False
+    penalty: ClassVar[float] = math.inf
     early: ClassVar[Optional[str]] = None
     carry = 0.0  # unannotated, so a rule that carries declares it as one of its settings
 
     def score(self, keys: mx.array, positions: mx.array, state: Any = None) -> mx.array:
         raise NotImplementedError
+
+    @property
+    def carries(self) -> bool:
+        """Whether a layer of this rule keeps a share of its slots for what earlier layers scored best."""
+        return self.carry > 0 and self.reads_probe
+
+    @classmethod
+    def keeps_state(cls) -> bool:
+        """Whether the rule keeps running state (it defines :meth:`update`)."""
+        return cls.update is not Rule.update
 
     @classmethod
     def setting_fields(cls) -> dict[str, Field]:
@@ -79,16 +101,27 @@ class Rule:
             raise ValueError(f"{key} must be one of {', '.join(map(str, f.metadata['choices']))}; "
                              f"got {getattr(self, name)!r}")
 
-    # running state (``needs == "running"``)
-    def zeros(self, batch: int, heads: int, dim: int) -> mx.array:
-        raise NotImplementedError
-
-    def update(self, state: Optional[mx.array], keys: mx.array, seen: Sequence[int],
-               real: Sequence[int]) -> mx.array:
-        raise NotImplementedError
-
-    def reference(self, state: mx.array, seen: Sequence[int]) -> mx.array:
+    # ---- running state -------------------------------------------------------
+    def update(self, state: Any, keys: mx.array, seen: Sequence[int], real: Sequence[int]) -> Optional[mx.array]:
+        """The running state once a block ``keys (B, H, N, D)`` is read: ``state`` before it
+        (None: none yet), ``seen`` tokens per row before it, ``real`` tokens of it per row
+        (right padding after them). An array whose first axis is the row (the cache takes
+        rows out and joins them along it); None: the rule keeps no running state."""
         return state
+
+    def reference(self, state: Any, seen: Sequence[int]) -> Any:
+        """What :meth:`score` reads of the running ``state`` once each row has seen ``seen`` tokens."""
+        return state
+
+    def zeros(self, batch: int, heads: int, dim: int) -> mx.array:
+        """The running state of ``batch`` rows that have seen nothing (a rule that keeps one defines it)."""
+        raise NotImplementedError(f"rule {self.name!r} keeps running state, so it defines zeros()")
+
+    # ---- a probe of the job's instructions --------------------------------------
+    def prepare(self, probes: Sequence[Any]) -> Any:
+        """What :meth:`score` reads from the rows' probes, one per row (asked only when
+        :attr:`reads_probe` and every row is probed)."""
+        return None
 
 
 def squared_norm(keys: mx.array) -> mx.array:

@@ -49,8 +49,6 @@ def cosine_to_anchor(keys: mx.array, anchor: mx.array) -> mx.array:
 
 
 class _Anchored(Rule):
-    needs = "running"
-
     def zeros(self, batch: int, heads: int, dim: int) -> mx.array:
         return mx.zeros((batch, heads, dim), mx.float32)
 

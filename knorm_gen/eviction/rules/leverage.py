@@ -124,7 +124,6 @@ class Leverage(Rule):
 
     name = "leverage"
     summary = "the keys least explained by the others (statistical leverage)"
-    needs = "running"
 
     def score(self, keys: mx.array, positions: mx.array, state: Optional[mx.array] = None) -> mx.array:
         return leverage_score(keys, state)

@@ -98,6 +98,10 @@ class Probe:
     pieces: mx.array
     repeated: mx.array
 
+    @property
+    def nbytes(self) -> int:
+        return self.queries.nbytes + self.pieces.nbytes + self.repeated.nbytes
+
 
 @dataclass(frozen=True)
 class ProbeBatch:
@@ -138,7 +142,8 @@ class Question(Rule):
     name = "question"
     summary = ("the document keys the instructions after the document would attend to, probed first "
                "(--question-score, --carry)")
-    needs = "probe"
+    reads_probe = True
+    penalty = REPEAT_PENALTY
 
     reading: str = setting(
         "mean", "How the question rule reads a key's score from the probe: best = the best query's attention "
@@ -151,6 +156,9 @@ class Question(Rule):
     def __post_init__(self):
         self.check_choice("reading")
         self.check_share("carry")
+
+    def prepare(self, probes: Sequence[Probe]) -> ProbeBatch:
+        return ProbeBatch.stack(probes)
 
     def score(self, keys: mx.array, positions: mx.array, state: Optional[ProbeBatch] = None) -> mx.array:
         if state is None:
