@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -48,6 +49,8 @@ def parse(argv=None) -> argparse.Namespace:
                     help="documents.documents() (the default; a one-line summary where the package has one) or "
                          "documents.papers() (R vignette papers, their authors' abstract as the human summary)")
     ap.add_argument("--held-out", action="store_true", help="--source papers: the held-out half only")
+    ap.add_argument("--choosing", action="store_true", help="--source papers: the other half only (where layouts "
+                                                             "are chosen)")
     ap.add_argument("--docs", default="0:12", help="A:B, documents A to B-1 of the fixed order")
     ap.add_argument("--tokens", type=int, default=2048, help="each document's first N tokens")
     ap.add_argument("--join", action="store_true", help="documents shorter than --tokens take the next ones after "
@@ -62,10 +65,10 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def grid_docs(tok, spec: str, n_tokens: int, join: bool = False, source: str = "documents",
-              held_out: bool = False) -> list[Doc]:
+              held_out: Optional[bool] = None) -> list[Doc]:
     a, b = (int(x) for x in spec.split(":"))
     if source == "papers":  # the body cut to its first n_tokens, the authors' abstract the human summary
-        every = papers(tok, held_out=True if held_out else None)
+        every = papers(tok, held_out=held_out)
         return [Doc(d.name, head_tokens(tok, d.text, n_tokens), d.summary) for d in every[a:b]]
     every = documents(tok, min_tokens=1500, max_tokens=10**6)
     out = []
@@ -104,12 +107,13 @@ def run(args: argparse.Namespace) -> dict:
     model, tok = load_model(model_path(args.model))
     arms = {a: CANDIDATES[a] for a in args.arms.split(",")}
     ratios = [float(r) for r in args.ratios.split(",")]
-    docs = grid_docs(tok, args.docs, args.tokens, args.join, args.source, args.held_out)
+    docs = grid_docs(tok, args.docs, args.tokens, args.join, args.source, True if args.held_out else
+                     False if args.choosing else None)
     todo = cases(tok, docs, [f for f in args.fillers.split(",") if f], args.tokens)
     out = Path(args.out) if args.out else None
     result = json.loads(out.read_text()) if out and out.exists() else {"rows": []}
     before = result.get("meta", {})
-    result["meta"] = dict(model=args.model, source=args.source, held_out=args.held_out,
+    result["meta"] = dict(model=args.model, source=args.source, held_out=args.held_out, choosing=args.choosing,
                           docs=[d.name for d in docs], tokens=args.tokens, ratios=ratios,
                           arms=arms, argv=sys.argv[1:], machine=platform.processor() or platform.machine(),
                           commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
