@@ -201,13 +201,19 @@ def wait_for_lines(proc, out, k, timeout=120):
 
 def eight_rows(tmp_path):
     inp = tmp_path / "rows.jsonl"
-    inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"Count from {i} to {i + 9}."}) + "\n" for i in range(8)))
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"Count from {i} to {i + 9}. " * 4}) + "\n"
+                           for i in range(8)))
     return inp
 
 
-def test_kill_9_then_rerun_loses_nothing(tmp_path):
+# The tiny random model: what is killed is the runner, not a model; long answers so the signal
+# lands with rows still to run.
+SLOW_TINY = ("--max-tokens", "120", "--batch-size", "1")
+
+
+def test_kill_9_then_rerun_loses_nothing(tmp_path, tiny_model_dir):
     inp, out = eight_rows(tmp_path), tmp_path / "out.jsonl"
-    proc = start(inp, out, "--max-tokens", "6", "--batch-size", "1")
+    proc = start(inp, out, "--model", str(tiny_model_dir), *SLOW_TINY)
     wait_for_lines(proc, out, 3)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -215,7 +221,7 @@ def test_kill_9_then_rerun_loses_nothing(tmp_path):
     complete = before[: before.rfind(b"\n") + 1].splitlines(keepends=True)
     assert 3 <= len(complete) < 8, "the kill should land mid-run"
 
-    result = invoke(inp, "-o", out, "--budget", "16", "--max-tokens", "6", "--batch-size", "1")
+    result = invoke(inp, "-o", out, "--budget", "16", "--model", str(tiny_model_dir), *SLOW_TINY)
     assert result.exit_code == 0, result.stderr
     after = lines(out)
     assert after[: len(complete)] == complete  # byte-identical
@@ -224,9 +230,9 @@ def test_kill_9_then_rerun_loses_nothing(tmp_path):
     assert all(json.loads(line)["error"] is None for line in after)
 
 
-def test_ctrl_c_finishes_the_row_then_exits_130(tmp_path):
+def test_ctrl_c_finishes_the_row_then_exits_130(tmp_path, tiny_model_dir):
     inp, out = eight_rows(tmp_path), tmp_path / "out.jsonl"
-    proc = start(inp, out, "--max-tokens", "6", "--batch-size", "1")
+    proc = start(inp, out, "--model", str(tiny_model_dir), *SLOW_TINY)
     wait_for_lines(proc, out, 2)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
