@@ -13,6 +13,8 @@ question row at ``--ratio``), per compressed layer:
 
     python benchmarks/coverage.py --model default --docs 0:6 --arms default,no_carry,spread25,random,intrinsic \\
         --out benchmarks/results/coverage-smollm2.json
+    python benchmarks/coverage.py --model qwen2.5-0.5b --source papers --docs 0:3 --arms default,random \\
+        --out benchmarks/results/coverage-qwen2-papers.json
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import knorm_gen  # noqa: E402  (BLAS preload first)
-from grid import grid_docs  # noqa: E402
+from grid import grid_docs, model_path  # noqa: E402
 from knorm_gen import EvictionConfig  # noqa: E402
 from knorm_gen.eviction.cache import EvictionKVCache  # noqa: E402
 from knorm_gen.eviction.config import GenerationConfig  # noqa: E402
@@ -81,10 +83,13 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--ratio", type=float, default=4.0)
     ap.add_argument("--arms", default="default,no_carry,spread25,random,intrinsic")
+    ap.add_argument("--source", choices=("documents", "papers"), default="documents",
+                    help="as grid.py's; papers: the choosing half (the held-out half is for judging layouts)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    model, tok = load_model(None if args.model == "default" else args.model)
-    docs = grid_docs(tok, args.docs, args.tokens)
+    model, tok = load_model(model_path(args.model))
+    docs = grid_docs(tok, args.docs, args.tokens, source=args.source,
+                     held_out=False if args.source == "papers" else None)
     rows = []
     for arm in args.arms.split(","):
         for i, d in enumerate(docs):

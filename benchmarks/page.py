@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from knorm_gen.tuning.evaluate import summarize  # noqa: E402
+from knorm_gen.tuning.evaluate import recovered_by_doc, summarize  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "results.md"
@@ -33,7 +33,8 @@ REGION = re.compile(r"(<!-- page:([\w-]+) -->\n)(.*?)(<!-- /page -->)", re.S)
 MODELS = {"smollm2": "SmolLM2-135M-Instruct (the embedded model)", "gemma3": "Gemma 3 270M (base)"}
 NAMES = {"full": "full cache", "default": "**default**", "random": "random eviction", "paper": "`--preset paper` (L2Norm)",
          "low": "keep-low, every layer", "no_carry": "default, `carry=0`", "spread25": "default, `spread=0.25`",
-         "spread50": "default, `spread=0.5`"}
+         "spread50": "default, `spread=0.5`", "spread70": "default, `spread=0.7`",
+         "spread75": "default, `carry=0, spread=0.75`", "recent": "sliding window (`keep=recent`)"}
 
 
 def load(name: str) -> dict:
@@ -142,6 +143,39 @@ def candidates_table(model: str) -> str:
     return "\n".join(lines) + "\n\n" + command(f"grid-{model}-2k-candidates.json")
 
 
+PAPER_MODELS = {"smollm2": "SmolLM2-135M-Instruct (llama)", "gemma3": "Gemma 3 270M (gemma3)",
+                "qwen2": "Qwen2.5-Coder 0.5B Instruct (qwen2, benchmark only)"}
+
+
+def papers_table() -> str:
+    """Per model, on held-out papers: each layout's share of the authors' abstract kept (the
+    reader's measure, first) and of the full cache's own summary, each paired to random
+    eviction with its interval, the abstract paired to the sliding window, pass keys and
+    perplexity."""
+    lines = ["| model | layout | abstract kept | vs random, points (95% interval) | vs sliding window | "
+             "own summary kept | vs random | facts found | perplexity |", "|---|---|---|---|---|---|---|---|---|"]
+    names = [f"grid-{m}-papers-2k.json" for m in PAPER_MODELS if (RESULTS / f"grid-{m}-papers-2k.json").exists()]
+    for name in names:
+        result = load(name)
+        rows = rows_at(result, 4.0)
+        arms = list(result["meta"]["arms"])
+        human = summarize(rows, ["full", *arms], "fidelity_human")
+        own = summarize(rows, ["full", *arms])
+        window = recovered_by_doc(rows, "recent", "fidelity_human")
+        model = PAPER_MODELS[name.split("-")[1]] + f", {human['full']['human_docs']} papers"
+        for arm in arms:
+            h, o = human[arm], own[arm]
+            mine = recovered_by_doc(rows, arm, "fidelity_human")
+            diffs = [100 * (mine[d] - window[d]) for d in mine if d in window]
+            vs_window = "-" if arm == "recent" or not diffs else f"{np.mean(diffs):+.1f}"
+            lines.append(f"| {model} | {NAMES.get(arm, arm)} | {_pct(h['recovered'])} | "
+                         f"{interval(h) if arm != 'random' else '-'} | {vs_window} | {_pct(o['recovered'])} | "
+                         f"{interval(o) if arm != 'random' else '-'} | {h['keys_of_full']}/{h['full_keys']} | "
+                         f"{h['ppl_ratio']:.3f}x |")
+            model = ""
+    return "\n".join(lines) + "\n\n" + command(*names)
+
+
 LENGTHS = {"smollm2": [("1,024", "grid-smollm2-1k.json"), ("2,048", "grid-smollm2-2k-candidates.json"),
                        ("4,096", "grid-smollm2-4k.json"), ("7,600", "grid-smollm2-7600.json")],
            "gemma3": [("1,024", "grid-gemma3-1k.json"), ("2,048", "grid-gemma3-2k-candidates.json"),
@@ -242,6 +276,7 @@ def tables() -> dict:
         out[f"candidates-{model}"] = lambda m=model: candidates_table(m)
         out[f"lengths-{model}"] = lambda m=model: length_table(m)
         out[f"coverage-{model}"] = lambda m=model: coverage_table(m)
+    out["papers"] = papers_table
     out["chunk"] = chunk_table
     out["cost"] = cost_tables
     return out
