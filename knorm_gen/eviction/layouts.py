@@ -20,6 +20,7 @@ CANDIDATES: dict[str, dict] = {
     "spread50": _layout("default", spread=0.5),
     "spread70": _layout("default", spread=0.7),
     "spread75": _layout("default", carry=0.0, spread=0.75),
+    "spread90": _layout("default", carry=0.0, spread=0.9),
     "best": _layout("default", question_score="best"),
     "per_query": _layout("default", question_score="per_query"),
     # the other presets, and their rules alone in every layer at the default's recent quarter
