@@ -78,19 +78,24 @@ def slow_rows(path, n=6):
 
 
 def test_a_second_run_on_a_locked_output_exits_2_naming_the_holder(tmp_path, tiny_model_dir):
-    inp, out = slow_rows(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
-    args = [inp, "-o", out, "--model", tiny_model_dir, "--budget", "16", "--max-tokens", "400", "-q",
+    inp, out = slow_rows(tmp_path / "in.jsonl", n=2), tmp_path / "out.jsonl"
+    args = [inp, "-o", out, "--model", tiny_model_dir, "--budget", "16", "--max-tokens", "300", "-q",
             "--batch-size", "1"]
     first = subprocess.Popen([*CLI, *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_bytes().count(b"\n") >= 1):
         assert first.poll() is None and time.monotonic() < deadline, "first run ended early"
-        time.sleep(0.05)
-    second = run(args)
+        time.sleep(0.01)
+    first.send_signal(signal.SIGSTOP)  # paused with its second row in flight: it holds the lock, whatever the speed
+    try:
+        assert first.poll() is None, "first run ended early"
+        second = run(args)
+    finally:
+        first.send_signal(signal.SIGCONT)
     assert second.returncode == 2
     assert f"being written by another knorm-batch run (pid {first.pid})".encode() in second.stderr
     assert first.wait(timeout=300) == 0
-    assert sorted(ids_of(out)) == list(range(6))  # every id once
+    assert sorted(ids_of(out)) == list(range(2))  # every id once
 
 
 def test_resume_refuses_an_output_holding_an_id_twice(tmp_path, fast):
@@ -115,8 +120,8 @@ def wait_lines(proc, path, k, timeout=120):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_prints_a_resume_command_without_overwrite(tmp_path, tiny_model_dir, sig):
-    inp, out = slow_rows(tmp_path / "in.jsonl", n=8), tmp_path / "out.jsonl"
-    args = [inp, "-o", out, "--overwrite", "--model", tiny_model_dir, "--budget", "16", "--max-tokens", "300",
+    inp, out = slow_rows(tmp_path / "in.jsonl", n=6), tmp_path / "out.jsonl"
+    args = [inp, "-o", out, "--overwrite", "--model", tiny_model_dir, "--budget", "16", "--max-tokens", "150",
             "-q", "--batch-size", "2"]
     proc = subprocess.Popen([*CLI, *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
     wait_lines(proc, out, 2)
@@ -131,7 +136,7 @@ def test_interrupt_prints_a_resume_command_without_overwrite(tmp_path, tiny_mode
     import shlex
     again = run(shlex.split(command)[1:])
     assert again.returncode == 0, again.stderr.decode()
-    assert out.read_bytes().startswith(first) and sorted(ids_of(out)) == list(range(8))
+    assert out.read_bytes().startswith(first) and sorted(ids_of(out)) == list(range(6))
 
 
 # ------------------------------------------------------------ 4. fingerprints

@@ -208,16 +208,16 @@ def test_empty_input_is_zero_rows_and_success(tmp_path, mt):
 def test_usage_errors_before_any_work(tmp_path, mt):
     inp = write_rows(tmp_path / "in.jsonl", [{"prompt": "x"}])
     out = tmp_path / "sub" / "out.jsonl"
-    with pytest.raises(BatchUsageError, match="skip_layers index 30 is out of range"):
-        run_batch(inp, str(out), options(skip_layers=(30,)), progress=False)
+    with pytest.raises(BatchUsageError, match="skip_layers index 4 is out of range"):  # the tiny model has 4 layers
+        run_batch(inp, str(out), options(skip_layers=(4,), model=MODEL["spec"]), progress=False)
     assert not out.exists()
     with pytest.raises(BatchUsageError, match="cannot read input"):
-        run_batch(str(tmp_path / "missing.jsonl"), str(out), BatchOptions(), progress=False)
+        run_batch(str(tmp_path / "missing.jsonl"), str(out), BatchOptions(model=MODEL["spec"]), progress=False)
     with pytest.raises(BatchUsageError, match="cannot write output"):
-        run_batch(inp, str(tmp_path / "in.jsonl" / "out.jsonl"), BatchOptions(), progress=False)
+        run_batch(inp, str(tmp_path / "in.jsonl" / "out.jsonl"), BatchOptions(model=MODEL["spec"]), progress=False)
     (tmp_path / "corrupt.jsonl").write_bytes(b"not a record\n" + b'{"id": 1, "error": null}\n')
     with pytest.raises(BatchUsageError, match="not a knorm-batch record"):
-        run_batch(inp, str(tmp_path / "corrupt.jsonl"), BatchOptions(), progress=False)
+        run_batch(inp, str(tmp_path / "corrupt.jsonl"), BatchOptions(model=MODEL["spec"]), progress=False)
     with pytest.raises(BatchUsageError, match="cannot load model"):
         run_batch(inp, str(out), BatchOptions(model=str(tmp_path / "nope.gguf")), progress=False)
 
