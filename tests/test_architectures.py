@@ -148,10 +148,9 @@ def test_architecture(arch, tok, tmp_path):
                                     max_tokens=3, **layout)
     within_ceiling(result)
     assert result.tokens_kept < result.tokens_seen
-    for batch_size in (1, 3):
-        for r in answer_questions(model, tok, DOCUMENT, QUESTIONS, budget=BUDGET, max_tokens=3,
-                                  batch_size=batch_size, **layout):
-            within_ceiling(r)
+    # batch 3: the questions decode together (one row at a time is generate_with_eviction's path, above)
+    for r in answer_questions(model, tok, DOCUMENT, QUESTIONS, budget=BUDGET, max_tokens=3, batch_size=3, **layout):
+        within_ceiling(r)
     eviction, _ = make_configs(budget=BUDGET, **layout)
     run_job(model, tok, tmp_path, 3, eviction)
     assert keep_low_matches_numpy(model, tok.encode(DOCUMENT, add_special_tokens=False)) >= 1

@@ -21,6 +21,7 @@ from knorm_gen.batch.rows import Row, RowError
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+TOKENS_KILLED = 150  # long enough rows that a kill lands mid-run
 TIMING = {"prefill_s", "decode_s", "prompt_tps", "generation_tps", "peak_memory_gb"}
 
 
@@ -87,7 +88,7 @@ def rank_pid(out_marker, rank):
 
 def kill_rank_after(tmp_path, inp, out, model, rank, k):
     cmd = [str(BIN / "mlx.launch"), "-n", "2", "--python", sys.executable, "--", "-m", "knorm_gen.cli",
-           *args(inp, out, model, tokens=300)]
+           *args(inp, out, model, tokens=TOKENS_KILLED)]
     launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
     part = Path(part_path(str(out), rank, 2))
     deadline = time.monotonic() + 120
@@ -101,13 +102,29 @@ def kill_rank_after(tmp_path, inp, out, model, rank, k):
     return {p.name: p.read_bytes()[: p.read_bytes().rfind(b"\n") + 1] for p in local_parts(str(out))}
 
 
-@pytest.mark.parametrize("rerun_ranks", [2, 1, 3], ids=["same-size", "one-process", "three-ranks"])
-def test_kill_9_of_a_rank_then_rerun_gives_every_id_once(tmp_path, tiny_model_dir, rerun_ranks):
-    inp, out = rows(tmp_path / "rows.jsonl", n=8, slow=True), tmp_path / "out.jsonl"
-    before = kill_rank_after(tmp_path, inp, out, tiny_model_dir, rank=1, k=2)
+@pytest.fixture(scope="module")
+def killed_launch(tmp_path_factory, tiny_model_dir):
+    """One launch whose rank 1 was SIGKILLed after 2 records: its folder, a copy of what the kill left
+    there, and the records finished before it. Each rerun variant starts from that copy, at the same paths."""
+    work = tmp_path_factory.mktemp("killed")
+    inp, out = rows(work / "rows.jsonl", n=8, slow=True), work / "out.jsonl"
+    before = kill_rank_after(work, inp, out, tiny_model_dir, rank=1, k=2)
     finished = [line for blob in before.values() for line in blob.splitlines()]
     assert 2 <= len(finished) < 8, "the kill should land mid-run"
-    argv = args(inp, out, tiny_model_dir, tokens=300)
+    left = {p.name: p.read_bytes() for p in work.iterdir() if p.is_file()}
+    return work, left, finished
+
+
+@pytest.mark.parametrize("rerun_ranks", [2, 1, 3], ids=["same-size", "one-process", "three-ranks"])
+def test_kill_9_of_a_rank_then_rerun_gives_every_id_once(killed_launch, tiny_model_dir, rerun_ranks):
+    work, left, finished = killed_launch
+    for p in work.iterdir():  # back to what the kill left, whatever an earlier variant wrote
+        if p.is_file():
+            p.unlink()
+    for name, data in left.items():
+        (work / name).write_bytes(data)
+    inp, out = work / "rows.jsonl", work / "out.jsonl"
+    argv = args(inp, out, tiny_model_dir, tokens=TOKENS_KILLED)
     proc = launch(rerun_ranks, argv) if rerun_ranks > 1 else single(argv)
     assert proc.returncode == 0, proc.stderr.decode()
     lines = out.read_bytes().splitlines()

@@ -35,13 +35,26 @@ def shell_lines(command):
 
 @pytest.fixture(scope="module")
 def executed():
+    import knorm_gen
+    from knorm_gen.models.load import get_model
+
     namespace, outputs = {}, []
+    own = knorm_gen.load_model
+    # load_model() with no arguments is the embedded model: the process's shared copy, loaded and examined once
+    knorm_gen.load_model = lambda *a, **k: get_model("default") if not (a or k) else own(*a, **k)
+    try:
+        run_blocks(namespace, outputs)
+    finally:
+        knorm_gen.load_model = own
+    return namespace, outputs
+
+
+def run_blocks(namespace, outputs):
     for block in python_blocks():
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             exec(compile(block, str(ROOT / "README.md"), "exec"), namespace)
         outputs.append(out.getvalue().splitlines())
-    return namespace, outputs
 
 
 def block_output(executed, marker):
