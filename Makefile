@@ -12,7 +12,7 @@ run: setup
 	.venv/bin/knorm-batch --job jobs/summarize.toml --overwrite
 
 test: setup-dev
-	.venv/bin/python -m pytest -q
+	bash scripts/test.sh
 
 bench-quick: setup-dev
 	.venv/bin/python benchmarks/run_all.py --quick

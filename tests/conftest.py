@@ -1,5 +1,8 @@
 """Shared fixtures: tiny random mlx_lm llama models (no weights needed)."""
 
+import json
+from pathlib import Path
+
 import knorm_gen  # noqa: F401  (BLAS preload before mlx)
 import mlx.core as mx
 import numpy as np
@@ -286,3 +289,50 @@ def write_files(root, files: dict):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data if isinstance(data, bytes) else data.encode("utf-8"))
     return root
+
+
+# ---- shards: scripts/test.sh runs the suite as one pytest process per core --------------------------
+
+DURATIONS = Path(__file__).with_name("durations.json")
+"""Seconds per test file, measured on the 2-core machine (``pytest --durations=0``): what the shards balance."""
+
+ONE_SHARD = ("test_distributed.py", "test_folder_input.py", "test_hostile_rows.py", "test_benchmarks.py")
+"""Files that run ``mlx.launch``: its ranks meet on fixed local ports, so two launches at once would collide."""
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run only shard K of N (test files balanced by tests/durations.json); "
+                          "scripts/test.sh runs every shard at once")
+
+
+def shard_files(files: list[str], n: int) -> list[set[str]]:
+    """The test files of each of ``n`` shards: the mlx.launch files together in the first, then
+    the rest, longest first, each to the shard with the least time so far (unknown files: 5 s)."""
+    seconds = json.loads(DURATIONS.read_text())
+    shards: list[set[str]] = [set() for _ in range(n)]
+    load = [0.0] * n
+    for f in [f for f in files if f in ONE_SHARD]:
+        shards[0].add(f)
+        load[0] += seconds.get(f, 5.0)
+    for f in sorted((f for f in files if f not in ONE_SHARD), key=lambda f: (-seconds.get(f, 5.0), f)):
+        i = load.index(min(load))
+        shards[i].add(f)
+        load[i] += seconds.get(f, 5.0)
+    return shards
+
+
+def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--shard")
+    if not spec:
+        return
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+        assert 1 <= k <= n
+    except (ValueError, AssertionError):
+        raise pytest.UsageError(f"--shard takes K/N with 1 <= K <= N, e.g. 1/2; got {spec!r}") from None
+    names = sorted({Path(str(item.fspath)).name for item in items})
+    mine = shard_files(names, n)[k - 1]
+    keep = [item for item in items if Path(str(item.fspath)).name in mine]
+    config.hook.pytest_deselected(items=[item for item in items if Path(str(item.fspath)).name not in mine])
+    items[:] = keep
