@@ -56,8 +56,9 @@ def kept_sets_agree(batch_row: EvictionKVCache, alone: EvictionKVCache) -> bool:
 @pytest.mark.parametrize("skip_layers", [None, ()], ids=["default-skip", "no-skip"])
 def test_teacher_forced_rows_match_each_row_alone(mt, skip_layers):
     model, tok = mt
-    ids = text_of_tokens(tok, 900)
-    rows = [ids[:520], ids[100:180], ids[300:900], ids[50:80]]  # mixed lengths, one under budget
+    ids = text_of_tokens(tok, 600)
+    block = 256  # prefill blocks: the longest row takes two, the first row one and a token
+    rows = [ids[:265], ids[100:180], ids[300:600], ids[50:80]]  # mixed lengths, one under budget
     # an intrinsic rule (0.6's default): the batch cache itself ranks and evicts
     steps, config = 8, EvictionConfig(budget=64, **{**PRESETS["intrinsic"], "skip_layers": skip_layers})
 
@@ -65,8 +66,8 @@ def test_teacher_forced_rows_match_each_row_alone(mt, skip_layers):
     for r in rows:
         caches = make_eviction_cache(model, config)
         out = []
-        for s in range(0, len(r) - steps, 512):
-            logits = model(mx.array(r[s : min(s + 512, len(r) - steps)])[None], cache=caches)
+        for s in range(0, len(r) - steps, block):
+            logits = model(mx.array(r[s : min(s + block, len(r) - steps)])[None], cache=caches)
         out.append(np.array(logits[0, -1]))
         for t in r[-steps:]:
             out.append(np.array(model(mx.array([[t]]), cache=caches)[0, -1]))
@@ -80,7 +81,7 @@ def test_teacher_forced_rows_match_each_row_alone(mt, skip_layers):
     done = [0] * len(rows)
     with own_layer_masks(model):
         while any(d < p for d, p in zip(done, pre)):
-            lens = [min(512, p - d) for d, p in zip(done, pre)]
+            lens = [min(block, p - d) for d, p in zip(done, pre)]
             n = max(lens)
             x = mx.array([r[d : d + k] + [0] * (n - k) for r, d, k in zip(rows, done, lens)])
             if n > min(lens):

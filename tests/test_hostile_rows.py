@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from knorm_gen.cli.batch import batch_command
 from knorm_gen.eviction.config import GenerationConfig
 from knorm_gen.batch.distributed import part_path
-from knorm_gen.models.load import load_model
+from knorm_gen.models.load import get_model
 from knorm_gen.generation.prompts import encode_prompt, split_question_prompts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ ORDINARY = "The report, dated 3 May, says: \"costs rose 12%\". <b>Bold</b> claim
 
 @pytest.fixture(scope="module")
 def tokenizers():
-    return {"smollm2": load_model()[1], "gemma3": load_model("gemma-3-270m")[1]}
+    return {"smollm2": get_model()[1], "gemma3": get_model("gemma-3-270m")[1]}  # the process's shared copies
 
 
 def test_user_text_spelling_control_tokens_stays_text(tokenizers):

@@ -269,3 +269,35 @@ def test_get_model_refuses_a_missing_path_without_loading(tmp_path):
         models.get_model(str(tmp_path / "nope.gguf"))
     with pytest.raises(models.ModelUsageError, match="the path .*a/b/c does not exist"):
         models.get_model(str(tmp_path / "a" / "b" / "c"))
+
+
+def test_a_models_support_is_examined_once_per_machine(tiny_model_dir, tmp_path, monkeypatch):
+    """The support check's finding is saved under the cache root and read back by a later load
+    of the same model; another model, or an unreadable file, is examined afresh."""
+    import json
+
+    from knorm_gen.models import support
+
+    monkeypatch.setenv("KNORM_CACHE_DIR", str(tmp_path))
+    cache_root = tmp_path
+    first = load_model(str(tiny_model_dir))[0]
+    found = support.model_support(first)
+    (saved,) = list((cache_root / "support").glob("*.json"))
+    on_disk = json.loads(saved.read_text())
+    assert on_disk["architecture"] == "llama" and on_disk["full_layers"] == list(found.full_layers)
+
+    calls = []
+    real = support._examine
+    monkeypatch.setattr(support, "_examine", lambda m: calls.append(m) or real(m))
+    again = load_model(str(tiny_model_dir))[0]
+    assert again is not first and support.model_support(again) == found and calls == []  # read, not examined
+
+    saved.write_text("{not json")
+    assert support.model_support(load_model(str(tiny_model_dir))[0]) == found and len(calls) == 1
+    assert json.loads(saved.read_text()) == on_disk  # rewritten whole
+
+    other = load_model(str(tiny_model_dir))[0]
+    other.update({"model": {"norm": {"weight": other.model.norm.weight * 2}}})  # other weights: another fingerprint
+    other.knorm_info.pop("fingerprint", None)
+    support.model_support(other)
+    assert len(calls) == 2 and len(list((cache_root / "support").glob("*.json"))) == 2

@@ -257,7 +257,7 @@ def test_a_code_in_the_system_prompt_is_found_at_8x(smol):
     model, tok = smol
     from knorm_gen.tuning.corpus import pydoc_sections
 
-    context = dict(pydoc_sections())["with"] * 2
+    context = dict(pydoc_sections())["with"]
     system = "You are a helpful assistant. The project code name is Bluefin. Remember it."
     q = ["What is the project code name?"]
     full = answer_questions(model, tok, context, q, budget=None, max_tokens=12, system_prompt=system)[0]

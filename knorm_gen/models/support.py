@@ -77,15 +77,75 @@ class ModelSupport:
 
 def model_support(model: Any) -> ModelSupport:
     """What eviction can do on ``model``, found on its first use (a few tokens through it)
-    and kept on the model object for its life."""
+    and kept on the model object for its life. A model loaded by :func:`~knorm_gen.models.load.load_model`
+    is examined once per machine: the finding is saved under the cache root, named by the model's
+    content fingerprint and this package's code, and read back by later processes."""
     found = getattr(model, "_knorm_support", None)
     if not isinstance(found, ModelSupport):
-        found = _examine(model)
+        saved = _saved_path(model)
+        found = _read_saved(saved) if saved else None
+        if found is None:
+            found = _examine(model)
+            if saved:
+                _save(saved, found)
         try:
             object.__setattr__(model, "_knorm_support", found)
         except (AttributeError, TypeError):  # an object that takes no attributes: examined at each use
             pass
     return found
+
+
+_CODE_DIGEST: list[str] = []
+
+
+def _code_digest() -> str:
+    """A digest of this package's source and the mlx and mlx_lm versions: a saved finding is
+    read back only by the code that made it."""
+    if not _CODE_DIGEST:
+        import hashlib
+        from importlib.metadata import version
+        from pathlib import Path
+
+        digest = hashlib.sha256(f"mlx {version('mlx')} mlx_lm {version('mlx_lm')}".encode())
+        root = Path(__file__).resolve().parents[1]
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+        _CODE_DIGEST.append(digest.hexdigest()[:16])
+    return _CODE_DIGEST[0]
+
+
+def _saved_path(model: Any) -> Optional[Any]:
+    """Where the finding for ``model`` is saved; None for a model built in memory (no
+    ``knorm_info``: tests' random models, a caller's own), which is examined in each process."""
+    if not isinstance(getattr(model, "knorm_info", None), dict):
+        return None
+    from ..platform.runtime import cache_root
+    from .load import model_fingerprint
+
+    return cache_root() / "support" / f"{model_fingerprint(model)}-{_code_digest()}.json"
+
+
+def _read_saved(path: Any) -> Optional[ModelSupport]:
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return ModelSupport(**{**data, "kinds": tuple(data["kinds"]), "full_layers": tuple(data["full_layers"])})
+    except (OSError, ValueError, TypeError, KeyError):  # none saved, or unreadable: examine again
+        return None
+
+
+def _save(path: Any, found: ModelSupport) -> None:
+    import dataclasses
+    import json
+
+    from ..platform.files import rewrite_atomically
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rewrite_atomically(path, [json.dumps(dataclasses.asdict(found)).encode()])
+    except OSError:  # a read-only or full cache folder: the next process examines again
+        pass
 
 
 def _examine(model: Any) -> ModelSupport:
