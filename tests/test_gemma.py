@@ -52,12 +52,12 @@ def test_config_from_gguf_and_mlx_lm_defaults(gemma):
 
 
 def test_perplexity_on_prose_and_rotating_prefill(gemma):
-    """Perplexity on 1024 tokens of pydoc prose (measured 13.6; a wrong norm
-    convention gives over 10^8), and the same text prefilled in 256-token
-    blocks through the model's own rotating caches agrees with the cacheless
-    pass: hidden states everywhere, per-token loss past the 512-token window."""
+    """Perplexity on 768 tokens of pydoc prose (a wrong norm convention gives
+    over 10^8), and the same text prefilled in 256-token blocks through the
+    model's own rotating caches agrees with the cacheless pass: hidden states
+    everywhere, per-token loss past the 512-token window."""
     model, tok = gemma
-    ids = mx.array([[BOS] + text_of_tokens(tok, 1024)])
+    ids = mx.array([[BOS] + text_of_tokens(tok, 768)])
     inputs, targets = ids[:, :-1], ids[:, 1:]
     hidden = model.model(inputs)
     logits = model.model.embed_tokens.as_linear(hidden)
