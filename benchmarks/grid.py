@@ -59,6 +59,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--arms", default="default,random")
     ap.add_argument("--fillers", default=",".join(GRID_FILLERS), help="fillers of knorm_gen.tuning.evaluate.FILLERS, "
                                                                          "a key in each ('' for none)")
+    ap.add_argument("--draw", type=int, default=0, help="another independent set of random eviction's draws (0: the "
+                                                         "usual ones): random against random is the noise floor")
     ap.add_argument("--out", help="the results file (resumed when it exists)")
     ap.add_argument("--report", help="print the table of a results file and stop")
     return ap.parse_args(argv)
@@ -114,6 +116,7 @@ def run(args: argparse.Namespace) -> dict:
     result = json.loads(out.read_text()) if out and out.exists() else {"rows": []}
     before = result.get("meta", {})
     result["meta"] = dict(model=args.model, source=args.source, held_out=args.held_out, choosing=args.choosing,
+                          draw=args.draw,
                           docs=[d.name for d in docs], tokens=args.tokens, ratios=ratios,
                           arms=arms, argv=sys.argv[1:], machine=platform.processor() or platform.machine(),
                           commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -132,7 +135,7 @@ def run(args: argparse.Namespace) -> dict:
             if not missing:
                 continue
             # arms added to a results file: the full cache's rows (and its own summary) are read back, not rerun
-            ev = Evaluator(model, tok, missing, ratio=ratio, log=lambda m: None, modes=("ctq", "prompt"))
+            ev = Evaluator(model, tok, missing, ratio=ratio, log=lambda m: None, modes=("ctq", "prompt"), draw=args.draw)
             ev.full_rows = full_rows
             if "full" in present.get((ratio, case), ()):
                 seed_full_rows(ev, [r for r in result["rows"] if r["ratio"] == ratio and r["case"] == case],

@@ -658,3 +658,16 @@ def test_run_ratio_follows_the_ratio_and_its_budget_cap():
     # 1/4, at most 500 tokens: the long one is kept at 500 (8x), the short one at 100 (4x)
     assert run_ratio(tiny_tokenizer(), docs, EvictionConfig(ratio=4, budget=500)) == pytest.approx((4 + 8) / 2)
     assert run_ratio(tiny_tokenizer(), docs, EvictionConfig(budget=None)) is None
+
+
+def test_another_draw_gives_random_eviction_other_draws_and_the_same_ones_again():
+    def draws(draw, name="paper:AER/AER"):
+        ev = Evaluator.__new__(Evaluator)  # only the seeding is under test
+        ev.draw = draw
+        ev._seed(name)
+        return mx.random.uniform(shape=(16,)).tolist()
+
+    assert draws(0) == draws(0) and draws(1) == draws(1)  # each draw is reproducible
+    assert draws(1) != draws(0) and draws(2) != draws(1)
+    # from draw 1 on, the whole name seeds: documents that share their first 8 characters differ
+    assert draws(0, "paper:RcppA") == draws(0, "paper:RcppB") and draws(1, "paper:RcppA") != draws(1, "paper:RcppB")

@@ -20,6 +20,8 @@ it, so arms at one ratio hold equal bytes.
 
 from __future__ import annotations
 
+import hashlib
+
 import math
 import random
 import re
@@ -143,8 +145,9 @@ class Evaluator:
 
     def __init__(self, model: Any, tokenizer: Any, arms: dict[str, dict], ratio: float = 4.0,
                  log: Callable[[str], None] = print, step: int = 512, modes: Sequence[str] = ("ctq",),
-                 cap: Optional[int] = None):
+                 cap: Optional[int] = None, draw: int = 0):
         self.model, self.tok = model, as_tokenizer(tokenizer)
+        self.draw = draw  # 0: the random arms' usual draws; another number, another independent set
         self.modes = tuple(modes)
         self.arms, self.ratio, self.cap, self.log, self.step = arms, ratio, cap, log, step
         self.chat = has_chat_template(self.tok)
@@ -174,7 +177,12 @@ class Evaluator:
         return caches
 
     def _seed(self, name: str) -> None:
-        mx.random.seed(int.from_bytes(name.encode()[:8], "little") % (2**31))  # random arms: the same draws per doc
+        """Seed the random arms: the same draws per document, another set per ``draw``."""
+        if not self.draw:
+            mx.random.seed(int.from_bytes(name.encode()[:8], "little") % (2**31))
+            return
+        digest = hashlib.sha256(f"{self.draw}:{name}".encode()).digest()
+        mx.random.seed(int.from_bytes(digest[:4], "little") % (2**31))
 
     def ctq_case(self, context: str) -> tuple[list, list, Any, int]:
         """The pass-key question asked after ``context`` (the chat template when the model
