@@ -18,6 +18,7 @@ Three things are checked on the model itself, in a few tokens:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -95,23 +96,19 @@ def model_support(model: Any) -> ModelSupport:
     return found
 
 
-_CODE_DIGEST: list[str] = []
-
-
+@functools.cache
 def _code_digest() -> str:
-    """A digest of this package's source and the mlx and mlx_lm versions: a saved finding is
-    read back only by the code that made it."""
-    if not _CODE_DIGEST:
-        import hashlib
-        from importlib.metadata import version
-        from pathlib import Path
+    """A digest of this package's source and the mlx and mlx_lm versions (once per process): a
+    saved finding is read back only by the code that made it."""
+    import hashlib
+    from importlib.metadata import version
+    from pathlib import Path
 
-        digest = hashlib.sha256(f"mlx {version('mlx')} mlx_lm {version('mlx_lm')}".encode())
-        root = Path(__file__).resolve().parents[1]
-        for path in sorted(root.rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-        _CODE_DIGEST.append(digest.hexdigest()[:16])
-    return _CODE_DIGEST[0]
+    digest = hashlib.sha256(f"mlx {version('mlx')} mlx_lm {version('mlx_lm')}".encode())
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _saved_path(model: Any) -> Optional[Any]:

@@ -21,7 +21,6 @@ it, so arms at one ratio hold equal bytes.
 from __future__ import annotations
 
 import hashlib
-
 import math
 import random
 import re

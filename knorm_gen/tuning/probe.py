@@ -245,13 +245,13 @@ def make_probe_command() -> Any:
         how well a low key norm predicts the attention a key draws (the L2Norm rule's signal:
         Spearman correlation per KV head over pydoc prose), with the layers it suggests leaving
         uncompressed for the paper's rule."""
-        from ..models.load import ModelUsageError, get_model
+        from ..models.load import get_model
         from ..models.support import describe_model
         from ..platform.mlx_compat import model_context_length
 
         try:
             model, tokenizer = get_model(model_spec)  # as the other commands load it (one copy per process)
-        except ModelUsageError as e:
+        except ValueError as e:  # ModelUsageError and the loader's own refusals, as the other commands catch them
             raise click.UsageError(str(e)) from None
         click.echo(describe_model(model, model_spec), err=json_path == "-")
         report = probe_model(model, tokenizer, n_tokens=n_tokens, threshold=threshold)
