@@ -285,6 +285,24 @@ def test_qwen2_and_gemma3_read_by_gguf_package(tmp_path, cache_dir):
         assert "quantization" not in config
 
 
+def test_numpy_reading_equals_the_gguf_packages_reader(tmp_path):
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    for arch in ("qwen2", "gemma3"):
+        _, path = reference_and_gguf(tmp_path, arch)
+        ours = kgguf.read_gguf(path)
+        assert ours.reader == "gguf"
+        reader = GGUFReader(str(path))
+        assert ours.metadata == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+        assert set(ours.tensors) == {t.name for t in reader.tensors}
+        for t in reader.tensors:
+            plain = t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+            want = np.array(t.data) if plain else dequantize(t.data, t.tensor_type)
+            got = np.array(ours.tensors[t.name])
+            assert got.dtype == want.dtype and np.array_equal(got, want), t.name  # the same bytes, decoded once
+
+
 # ---------------------------------------------------------------- the cache
 
 

@@ -148,6 +148,10 @@ class GGUFHeader:
     # tensor name -> (shape in numpy order, i.e. the GGUF dims reversed; GGML type id)
     tensors: dict[str, tuple[tuple[int, ...], int]]
     keys: list[str]
+    # key -> plain Python value; read only when asked (:func:`_walk` with ``values``)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    # tensor name -> its offset from ``data_offset``
+    offsets: dict[str, int] = field(default_factory=dict)
 
 
 class _Cursor:
@@ -190,6 +194,30 @@ class _Cursor:
             return self.buf[start:self.pos].decode("utf-8")
         except UnicodeDecodeError:
             raise self.fail(f"{what} is not UTF-8 text") from None
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
+        """Read one metadata value as a plain Python value (an array as a list)."""
+        if vtype in _SCALAR_FORMATS:
+            return self.unpack(_SCALAR_FORMATS[vtype], what)
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype != _ARRAY:
+            raise self.fail(f"{what} has unknown value type {vtype}")
+        if depth >= _MAX_NESTING:
+            raise self.fail(f"{what} nests arrays more than {_MAX_NESTING} deep")
+        etype = self.unpack("I", f"{what} element type")
+        if etype not in _MIN_VALUE_SIZE:
+            raise self.fail(f"{what} has unknown element type {etype}")
+        n = self.count(what, _MIN_VALUE_SIZE[etype], "elements")
+        if etype in _SCALAR_SIZES:
+            import numpy as np
+
+            # numpy reads a vocabulary's 262,144 scores at once; element by element took seconds
+            items = np.frombuffer(self.buf, dtype="<" + _SCALAR_FORMATS[etype].replace("?", "b1"), count=n,
+                                  offset=self.pos)
+            self.pos += n * _SCALAR_SIZES[etype]
+            return items.tolist()
+        return [self.value(etype, what, depth + 1) for _ in range(n)]
 
     def skip_value(self, vtype: int, what: str, depth: int = 0) -> Any:
         """Skip one value (returning it when it is a scalar)."""
@@ -245,7 +273,7 @@ def read_header(path: str | Path) -> GGUFHeader:
         raise UnsupportedGGUFError(f"{path} is not a readable GGUF file: {e}") from e
 
 
-def _walk(cur: _Cursor) -> GGUFHeader:
+def _walk(cur: _Cursor, values: bool = False) -> GGUFHeader:
     if cur.buf[:4] != b"GGUF":
         raise cur.fail(f"not a GGUF file (it starts with {cur.buf[:4]!r}, not b'GGUF')")
     cur.pos = 4
@@ -260,6 +288,7 @@ def _walk(cur: _Cursor) -> GGUFHeader:
         raise cur.fail(f"GGUF header claims {n_kv} metadata entries, more than a {cur.size}-byte file can hold")
     keys, alignment = [], 32
     seen = set()
+    metadata: dict[str, Any] = {}
     for i in range(n_kv):
         key = cur.string(f"key of metadata entry {i}")
         if key in seen:
@@ -267,12 +296,16 @@ def _walk(cur: _Cursor) -> GGUFHeader:
         seen.add(key)
         keys.append(key)
         vtype = cur.unpack("I", f"type of metadata {key!r}")
-        value = cur.skip_value(vtype, f"metadata {key!r}")
+        if values:
+            value = metadata[key] = cur.value(vtype, f"metadata {key!r}")
+        else:
+            value = cur.skip_value(vtype, f"metadata {key!r}")
         if key == "general.alignment":
             if vtype != 4 or value <= 0 or value & (value - 1):
                 raise cur.fail(f"metadata 'general.alignment' must be a power of two (uint32), got {value!r}")
             alignment = value
     tensors: dict[str, tuple[tuple[int, ...], int]] = {}
+    offsets: dict[str, int] = {}
     placed = []
     for i in range(n_tensors):
         name = cur.string(f"name of tensor {i}")
@@ -290,6 +323,7 @@ def _walk(cur: _Cursor) -> GGUFHeader:
         shape = tuple(reversed(dims))
         placed.append((what, offset, _tensor_nbytes(shape, ggml_type, what, cur)))
         tensors[name] = (shape, ggml_type)
+        offsets[name] = offset
     data_offset = cur.pos + (-cur.pos % alignment)
     for what, offset, nbytes in placed:
         if offset % alignment:
@@ -298,7 +332,7 @@ def _walk(cur: _Cursor) -> GGUFHeader:
             raise cur.fail(f"{what} claims {nbytes} bytes at offset {offset}, past the end of the "
                            f"{cur.size}-byte file")
     return GGUFHeader(version=version, file_size=cur.size, alignment=alignment,
-                      data_offset=data_offset, tensors=tensors, keys=keys)
+                      data_offset=data_offset, tensors=tensors, keys=keys, metadata=metadata, offsets=offsets)
 
 
 # ------------------------------------------------------------------- reading
@@ -321,26 +355,39 @@ def read_gguf(path: str | Path) -> GGUFContents:
     except (RuntimeError, ValueError):
         pass  # a tensor type MLX cannot represent: let the gguf package dequantize it
 
-    import numpy as np
-    from gguf import GGMLQuantizationType, GGUFReader
-    from gguf.quants import dequantize
-
     try:
-        reader = GGUFReader(str(path))
-    except (ValueError, OSError) as e:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            header = _walk(_Cursor(buf, str(path)), values=True)
+            tensors = {name: mx.array(_dequantized(buf, header, name, path)) for name in header.tensors}
+    except OSError as e:
         raise UnsupportedGGUFError(f"{path} is not a readable GGUF file: {e}") from e
-    metadata = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    tensors = {}
-    for t in reader.tensors:
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            data = np.array(t.data)  # copy out of the memory map, in the stored precision
-        else:
-            try:
-                data = dequantize(t.data, t.tensor_type)
-            except NotImplementedError as e:
-                raise UnsupportedGGUFError(f"{path}: tensor {t.name}: {e}") from e
-        tensors[t.name] = mx.array(data)
-    return GGUFContents(metadata, tensors, "gguf", shapes)
+    return GGUFContents({k: v for k, v in header.metadata.items() if not k.startswith("GGUF.")}, tensors, "gguf",
+                        shapes)
+
+
+_PLAIN_TYPES = {0: "<f4", 1: "<f2", 24: "i1", 25: "<i2", 26: "<i4", 27: "<i8", 28: "<f8"}
+"""GGML types stored as plain numbers (F32, F16, I8, I16, I32, I64, F64): copied, not dequantized."""
+
+
+def _dequantized(buf, header: GGUFHeader, name: str, path: str | Path):
+    """Tensor ``name`` of a walked GGUF as numpy: plain types copied in their stored
+    precision, quantized ones dequantized to float32 by the gguf package."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quant_shape_to_byte_shape
+
+    shape, ggml_type = header.tensors[name]
+    start = header.data_offset + header.offsets[name]
+    if ggml_type in _PLAIN_TYPES:
+        dtype = np.dtype(_PLAIN_TYPES[ggml_type])
+        return np.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=start).reshape(shape).copy()
+    qtype = GGMLQuantizationType(ggml_type)  # known: the header walk checked it
+    byte_shape = quant_shape_to_byte_shape(shape, qtype)
+    data = np.frombuffer(buf, dtype=np.uint8, count=math.prod(byte_shape), offset=start).reshape(byte_shape)
+    try:
+        return dequantize(data, qtype)
+    except NotImplementedError as e:
+        raise UnsupportedGGUFError(f"{path}: tensor {name}: {e}") from e
 
 
 _SHA256: dict[tuple[str, int, int], str] = {}
