@@ -3,7 +3,7 @@ tiny random model of each from its own ``ModelArgs``; a new mlx_lm release's arc
 are checked the day it is installed):
 
 - ``budget=None`` gives mlx_lm's own greedy tokens, at batch 1 and 3 (rows of different lengths);
-- ``generate_with_eviction``, ``answer_questions`` and a ``knorm-batch`` question job evict and
+- ``generate_with_eviction`` and a ``knorm-batch`` job (questions decoded together) evict and
   keep every ``kept_bytes <= kv_ceiling_bytes``, or the model is refused with a message that names
   the architecture and the reason;
 - a keep-low layout keeps the numpy ranking of each compressed layer's keys;
@@ -20,7 +20,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from knorm_gen import EvictionConfig, answer_questions, generate_batch_with_eviction, generate_with_eviction
+from knorm_gen import EvictionConfig, generate_batch_with_eviction, generate_with_eviction
 from knorm_gen.eviction.cache import EvictionKVCache, make_eviction_cache
 from knorm_gen.eviction.config import GenerationConfig, RowsConfig, make_configs
 from knorm_gen.batch.job import BatchOptions, run_batch
@@ -148,9 +148,8 @@ def test_architecture(arch, tok, tmp_path):
                                     max_tokens=3, **layout)
     within_ceiling(result)
     assert result.tokens_kept < result.tokens_seen
-    # batch 3: the questions decode together (one row at a time is generate_with_eviction's path, above)
-    for r in answer_questions(model, tok, DOCUMENT, QUESTIONS, budget=BUDGET, max_tokens=3, batch_size=3, **layout):
-        within_ceiling(r)
+    # batch 3: row "a" answers both questions decoded together beside the other rows (answer_questions's
+    # engine path); one row at a time is generate_with_eviction's, above
     eviction, _ = make_configs(budget=BUDGET, **layout)
     run_job(model, tok, tmp_path, 3, eviction)
     assert keep_low_matches_numpy(model, tok.encode(DOCUMENT, add_special_tokens=False)) >= 1

@@ -16,7 +16,7 @@ from knorm_gen.generation.engine import BatchEngine, prefill
 from knorm_gen.generation.generate import prompt_request, question_request
 
 DATA = Path(__file__).resolve().parent / "data"
-SECTIONS = ("with", "objects", "identifiers")
+SECTIONS = ("with", "objects")  # of the three saved ("identifiers" too): both kinds of row on two texts cover the paths
 QUESTION = "Summarize the documentation above in three sentences."
 AGREE = 0.99  # of every (layer, head, position) kept; below it a real change, above it a near-tie or two (DESIGN 4)
 
@@ -47,7 +47,7 @@ def _kept(caches) -> dict:
 
 
 def assert_same_as_saved(got: list[dict], which: str) -> None:
-    want = json.loads((DATA / f"default_kept_{which}.json").read_text())["cases"]
+    want = [c for c in json.loads((DATA / f"default_kept_{which}.json").read_text())["cases"] if c["name"] in SECTIONS]
     assert [(c["kind"], c["name"]) for c in got] == [(c["kind"], c["name"]) for c in want]
     same = total = 0
     for g, w in zip(got, want):

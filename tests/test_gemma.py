@@ -52,16 +52,17 @@ def test_config_from_gguf_and_mlx_lm_defaults(gemma):
 
 
 def test_perplexity_on_prose_and_rotating_prefill(gemma):
-    """Perplexity on 768 tokens of pydoc prose (a wrong norm convention gives
-    over 10^8), and the same text prefilled in 256-token blocks through the
-    model's own rotating caches agrees with the cacheless pass: hidden states
-    everywhere, per-token loss past the 512-token window."""
+    """Perplexity on pydoc prose past the 512-token window (a wrong norm convention gives
+    over 10^8), and the same 768 tokens prefilled in 256-token blocks through the
+    model's own rotating caches agree with the cacheless pass: hidden states
+    everywhere, per-token loss past the window. (Only the last 256 positions are
+    projected onto the 262k-token vocabulary: the rest would be most of the test's time.)"""
     model, tok = gemma
     ids = mx.array([[BOS] + text_of_tokens(tok, 768)])
     inputs, targets = ids[:, :-1], ids[:, 1:]
     hidden = model.model(inputs)
-    logits = model.model.embed_tokens.as_linear(hidden)
-    full = nn.losses.cross_entropy(logits, targets, reduction="none")[0]
+    logits = model.model.embed_tokens.as_linear(hidden[:, -256:])
+    full = nn.losses.cross_entropy(logits, targets[:, -256:], reduction="none")[0]
     ppl = math.exp(full.mean().item())
     assert ppl < 20, ppl
 
@@ -71,7 +72,7 @@ def test_perplexity_on_prose_and_rotating_prefill(gemma):
     assert mx.max(mx.abs(blocked - hidden)).item() < 1e-3 * mx.max(mx.abs(hidden)).item()
     tail = model.model.embed_tokens.as_linear(blocked[:, -256:])
     tail_loss = nn.losses.cross_entropy(tail, targets[:, -256:], reduction="none")[0]
-    assert mx.max(mx.abs(tail_loss - full[-256:])).item() < 1e-3
+    assert mx.max(mx.abs(tail_loss - full)).item() < 1e-3
 
 
 @pytest.mark.parametrize(
