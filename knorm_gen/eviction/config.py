@@ -623,8 +623,8 @@ class EvictionConfig:
         else:
             d["layer_keep"] = {str(k): v for k, v in sorted(self.layer_keep.items())}
         used = self.rules()
-        for key, (rule, f) in setting_fields().items():  # a rule's own settings mean nothing where it does not run
-            if rule.name not in used or f.metadata.get("added") and d[key] == f.default:
+        for key, (rule, _) in setting_fields().items():  # a rule's own settings mean nothing where it does not run
+            if rule.name not in used:
                 d.pop(key)
         if not self.spread:
             d.pop("spread")
@@ -895,8 +895,7 @@ DEFAULT_QUESTION_SEPARATOR = GenerationConfig.question_separator
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "default": dict(recent_share=RECENT_SHARE, keep="question", question_score="mean", carry=0.25,
-                    question_key_bias="keep", early_keep="auto",
+    "default": dict(recent_share=RECENT_SHARE, keep="question", question_score="mean", carry=0.25, early_keep="auto",
                     skip_layers=(), early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None, spread=0.0),
     "paper": dict(recent_share=OLD_RECENT_SHARE, keep="low", early_keep="auto", skip_layers=(0, 1),
                   early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None, spread=0.0),
@@ -905,13 +904,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "summarize": dict(recent_share=OLD_RECENT_SHARE, keep="keydiff", early_keep="auto", skip_layers=(),
                       early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None, spread=0.0),
     "question": dict(recent_share=OLD_RECENT_SHARE, keep="question", question_score="best", carry=0.0,
-                     question_key_bias="keep", early_keep="auto", skip_layers=(), early_factor=None, layer_budgets=None, coverage=0.0,
+                     early_keep="auto", skip_layers=(), early_factor=None, layer_budgets=None, coverage=0.0,
                      layer_keep=None, spread=0.0),
     "intrinsic": dict(recent_share=0.5, keep="blend", early_keep="auto", skip_layers=(), early_factor=None,
                       layer_budgets=None, coverage=0.25, layer_keep=None, spread=0.0),
     "auto": {},  # the model's saved tuning: resolved once the model is loaded (knorm_gen.generation.tunings.auto_config)
 }
-LAYOUT_FIELDS = ("keep", *setting_fields(), "spread", "early_keep", "coverage", "recent_share", "skip_layers",
+LAYOUT_FIELDS = ("keep", "question_score", "carry", "spread", "early_keep", "coverage", "recent_share", "skip_layers",
                  "layer_budgets", "early_factor", "layer_keep")
 """The fields a layout (a preset, a saved tuning) sets; the budget and the rest are the run's.
 

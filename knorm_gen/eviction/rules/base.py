@@ -16,14 +16,11 @@ import mlx.core as mx
 
 
 def setting(default: Any, help: str, *, key: Optional[str] = None, choices: Optional[Sequence[Any]] = None,
-            metavar: Optional[str] = None, added: bool = False) -> Any:
+            metavar: Optional[str] = None) -> Any:
     """A rule's setting: a dataclass field whose ``key`` (default ``<rule name>_<field>``) is
     its name everywhere a setting is named: the config field, the command-line option
-    (``--key``), the job-file key, the record's ``config`` and so the fingerprint. ``added``:
-    a setting added after records were written, whose default keeps what ran before it: the
-    record leaves it out at its default, so those records' fingerprints still match."""
-    return field(default=default, metadata={"help": help, "key": key, "choices": choices, "metavar": metavar,
-                                            "added": added})
+    (``--key``), the job-file key, the record's ``config`` and so the fingerprint."""
+    return field(default=default, metadata={"help": help, "key": key, "choices": choices, "metavar": metavar})
 
 
 @dataclass(frozen=True, eq=True)

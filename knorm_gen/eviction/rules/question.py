@@ -97,44 +97,10 @@ class Probe:
     queries: mx.array
     pieces: mx.array
     repeated: mx.array
-    key_bias: Optional["KeyBias"] = None  # the layer's key projection bias, where it has one
 
     @property
     def nbytes(self) -> int:
         return self.queries.nbytes + self.pieces.nbytes + self.repeated.nbytes
-
-
-@dataclass(frozen=True)
-class KeyBias:
-    """A layer's key projection bias ``(1, KV heads, 1, D)`` and the layer's RoPE module: a
-    cached key at position ``p`` is ``rope(content + bias, p)``, so its bias part is the
-    same for every token and depends on the position alone (:meth:`at`)."""
-
-    bias: mx.array
-    rope: Any
-
-    def at(self, positions: mx.array) -> mx.array:
-        """The bias part ``(B, KV heads, N, D)`` of keys at ``positions (B, N)``: RoPE of the bias
-        over each row's span of positions, then read at each position."""
-        rows = []
-        for row in positions.tolist():
-            lo, hi = min(row), max(row)
-            span = mx.broadcast_to(self.bias, (1, self.bias.shape[1], hi - lo + 1, self.bias.shape[-1]))
-            rotated = self.rope(span, offset=lo)
-            rows.append(mx.take(rotated, mx.array(row) - lo, axis=2))
-        return mx.concatenate(rows).astype(mx.float32)
-
-
-def key_bias(block: Any, heads: int, dim: int) -> Optional[KeyBias]:
-    """The :class:`KeyBias` of a decoder block whose attention projects keys with a bias
-    (``k_proj.bias``, as Qwen2's) and rotates them with a ``rope`` module; None otherwise."""
-    attn = next((getattr(block, a) for a in ("self_attn", "attention", "attn") if hasattr(block, a)), None)
-    proj = getattr(attn, "k_proj", None)
-    bias = getattr(proj, "bias", None) if proj is not None and "bias" in proj else None
-    rope = getattr(attn, "rope", None)
-    if bias is None or rope is None or bias.size != heads * dim:
-        return None
-    return KeyBias(bias.astype(mx.float32).reshape(1, heads, 1, dim), rope)
 
 
 @dataclass(frozen=True)
@@ -147,13 +113,12 @@ class ProbeBatch:
     pieces: mx.array
     last: mx.array  # (B, 1): each row's last probed position
     repeated: mx.array
-    key_bias: Optional[KeyBias] = None  # one layer's, so the same for every row
 
     @classmethod
     def stack(cls, probes: Sequence[Probe]) -> "ProbeBatch":
         if len(probes) == 1:
             p = probes[0]
-            return cls(p.queries, None, p.pieces, mx.array([[p.pieces.shape[-1] - 1]]), p.repeated, p.key_bias)
+            return cls(p.queries, None, p.pieces, mx.array([[p.pieces.shape[-1] - 1]]), p.repeated)
         m = max(p.queries.shape[2] for p in probes)
         width = max(p.pieces.shape[-1] for p in probes)
         queries = mx.concatenate([mx.pad(p.queries, [(0, 0), (0, 0), (0, m - p.queries.shape[2]), (0, 0)])
@@ -162,7 +127,7 @@ class ProbeBatch:
         pieces = mx.concatenate([mx.pad(p.pieces, [(0, 0), (0, width - p.pieces.shape[-1])]) for p in probes])
         repeated = mx.concatenate([mx.pad(p.repeated, [(0, 0), (0, width - p.repeated.shape[-1])]) for p in probes])
         last = mx.array([[p.pieces.shape[-1] - 1] for p in probes])
-        return cls(queries, valid, pieces, last, repeated, probes[0].key_bias)
+        return cls(queries, valid, pieces, last, repeated)
 
 
 @dataclass(frozen=True)
@@ -187,16 +152,10 @@ class Question(Rule):
     carry: float = setting(
         0.25, "Share of each question-rule layer's rule slots (after the first such layer) kept for the positions "
         "the earlier layers scored best (0 = none).", key="carry", metavar="SHARE")
-    key_bias: str = setting(
-        "keep", "On a model whose key projection has a bias (Qwen2): keep = score the cached keys as they are; "
-        "remove = score them without the bias's rotated part, which depends on the position alone, so the "
-        "probe judges what a token says (no effect on a model without one).", key="question_key_bias",
-        choices=("keep", "remove"), added=True)
 
     def __post_init__(self):
         self.check_choice("reading")
         self.check_share("carry")
-        self.check_choice("key_bias")
 
     def prepare(self, probes: Sequence[Probe]) -> ProbeBatch:
         return ProbeBatch.stack(probes)
@@ -207,8 +166,6 @@ class Question(Rule):
                              "has none: run it through generate_with_eviction, answer_questions or knorm-batch, "
                              "which probe first, or probe it with knorm_gen.probe_caches")
         pos = positions[:, 0, :].astype(mx.int64)  # (B, N)
-        if self.key_bias == "remove" and state.key_bias is not None:
-            keys = keys.astype(mx.float32) - state.key_bias.at(pos)
         inside = mx.take_along_axis(state.pieces, mx.minimum(pos, state.last), axis=-1)
         seg = mx.where(pos <= state.last, inside, mx.take_along_axis(state.pieces, state.last, axis=-1) + pos
                        - state.last)
@@ -428,13 +385,7 @@ def make_probe(model: Any, tokenizer: Any, ids: Sequence[int], spans: Sequence[t
     per_ask = [probe_queries(model, ids, start, end, q) for q in asks]
     seg = segment_ids(tokenizer, ids)
     pieces, repeated = mx.array(seg)[None], mx.array(repeated_pieces(ids, seg))[None]
-    blocks = getattr(model, "layers", None)
-    blocks = list(blocks) if isinstance(blocks, (list, tuple)) and len(blocks) == len(per_ask[0]) else None
     return [None if per_ask[0][i] is None else
             Probe(mx.concatenate([p[i] for p in per_ask], axis=2) if len(per_ask) > 1 else per_ask[0][i], pieces,
-                  repeated, key_bias(blocks[i], *_heads_and_dim(per_ask[0][i])) if blocks else None)
+                  repeated)
             for i in range(len(per_ask[0]))]
-
-
-def _heads_and_dim(queries: mx.array) -> tuple[int, int]:
-    return queries.shape[1], queries.shape[-1]
