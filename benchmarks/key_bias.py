@@ -34,6 +34,18 @@ from knorm_gen.eviction.rules.question import BEST_REACH, _local_mean, make_prob
 QUESTION = "Write the abstract of the paper above."
 
 
+def bias_part(block, heads: int, dim: int, start: int, end: int):
+    """``(1, KV heads, end - start, D)``: the layer's key bias rotated to positions start..end-1 as
+    its RoPE rotates the keys (None: the layer's key projection has no bias)."""
+    attn = next((getattr(block, a) for a in ("self_attn", "attention", "attn") if hasattr(block, a)), None)
+    proj = getattr(attn, "k_proj", None)
+    bias = proj.bias if proj is not None and "bias" in proj else None
+    if bias is None or getattr(attn, "rope", None) is None or bias.size != heads * dim:
+        return None, None
+    bias = bias.astype(mx.float32).reshape(1, heads, 1, dim)
+    return attn.rope(mx.broadcast_to(bias, (1, heads, end - start, dim)), offset=start), bias
+
+
 def layer_rows(model, tok, name: str, body: str) -> list[dict]:
     ids = tok.apply_chat_template([{"role": "user", "content": body + "\n\n" + QUESTION}], add_generation_prompt=True,
                                   tokenize=True)
@@ -44,11 +56,13 @@ def layer_rows(model, tok, name: str, body: str) -> list[dict]:
     cache = make_prompt_cache(model)
     model(mx.array(ids)[None], cache=cache)
     rows = []
-    for layer, (c, probe) in enumerate(zip(cache, probes)):
-        if probe is None or probe.key_bias is None:
+    for layer, (block, c, probe) in enumerate(zip(model.layers, cache, probes)):
+        if probe is None:
             continue
         keys = c.state[0][:, :, start:end].astype(mx.float32)
-        bias = probe.key_bias.at(mx.arange(start, end)[None])
+        bias, raw_bias = bias_part(block, keys.shape[1], keys.shape[-1], start, end)
+        if bias is None:
+            continue
         dots, bias_dots = keys @ mx.swapaxes(probe.queries, -1, -2), bias @ mx.swapaxes(probe.queries, -1, -2)
         centred = lambda s: s - _local_mean(s, BEST_REACH, axis=2)  # noqa: E731
         v_bias, v_content = mx.var(centred(bias_dots)).item(), mx.var(centred(dots - bias_dots)).item()
@@ -57,7 +71,7 @@ def layer_rows(model, tok, name: str, body: str) -> list[dict]:
         k = (end - start) // 4
         same = [len(set(np.argsort(-a)[:k]) & set(np.argsort(-b)[:k])) / k for a, b in zip(with_bias, without)]
         rows.append(dict(doc=name, layer=layer,
-                         bias_norm=round(float(mx.mean(mx.linalg.norm(probe.key_bias.bias, axis=-1)).item()), 2),
+                         bias_norm=round(float(mx.mean(mx.linalg.norm(raw_bias, axis=-1)).item()), 2),
                          content_norm=round(float(mx.mean(mx.linalg.norm(keys - bias, axis=-1)).item()), 2),
                          bias_share=round(v_bias / (v_bias + v_content), 3),
                          top_quarter_same=round(float(np.mean(same)), 3)))
