@@ -195,6 +195,15 @@ class _Cursor:
         except UnicodeDecodeError:
             raise self.fail(f"{what} is not UTF-8 text") from None
 
+    def array_header(self, what: str, depth: int) -> tuple[int, int]:
+        """An array's element type and count, each checked (nesting, known type, bytes left)."""
+        if depth >= _MAX_NESTING:
+            raise self.fail(f"{what} nests arrays more than {_MAX_NESTING} deep")
+        etype = self.unpack("I", f"{what} element type")
+        if etype not in _MIN_VALUE_SIZE:
+            raise self.fail(f"{what} has unknown element type {etype}")
+        return etype, self.count(what, _MIN_VALUE_SIZE[etype], "elements")
+
     def value(self, vtype: int, what: str, depth: int = 0) -> Any:
         """Read one metadata value as a plain Python value (an array as a list)."""
         if vtype in _SCALAR_FORMATS:
@@ -203,12 +212,7 @@ class _Cursor:
             return self.string(what)
         if vtype != _ARRAY:
             raise self.fail(f"{what} has unknown value type {vtype}")
-        if depth >= _MAX_NESTING:
-            raise self.fail(f"{what} nests arrays more than {_MAX_NESTING} deep")
-        etype = self.unpack("I", f"{what} element type")
-        if etype not in _MIN_VALUE_SIZE:
-            raise self.fail(f"{what} has unknown element type {etype}")
-        n = self.count(what, _MIN_VALUE_SIZE[etype], "elements")
+        etype, n = self.array_header(what, depth)
         if etype in _SCALAR_SIZES:
             import numpy as np
 
@@ -226,12 +230,7 @@ class _Cursor:
         if vtype == _STRING:
             self.skip_string(what)
         elif vtype == _ARRAY:
-            if depth >= _MAX_NESTING:
-                raise self.fail(f"{what} nests arrays more than {_MAX_NESTING} deep")
-            etype = self.unpack("I", f"{what} element type")
-            if etype not in _MIN_VALUE_SIZE:
-                raise self.fail(f"{what} has unknown element type {etype}")
-            n = self.count(what, _MIN_VALUE_SIZE[etype], "elements")
+            etype, n = self.array_header(what, depth)
             if etype in _SCALAR_SIZES:
                 self.pos += n * _SCALAR_SIZES[etype]
             else:
