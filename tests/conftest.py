@@ -294,7 +294,9 @@ def write_files(root, files: dict):
 # ---- shards: scripts/test.sh runs the suite as one pytest process per core --------------------------
 
 DURATIONS = Path(__file__).with_name("durations.json")
-"""Seconds per test file, measured on the 2-core machine (``pytest --durations=0``): what the shards balance."""
+"""Seconds per test file, summed from one run of the whole suite on the 2-core machine
+(``KNORM_TEST_SHARDS=3 PYTEST_ADDOPTS=--durations=0 bash scripts/test.sh``): what the shards
+balance, so only their proportions matter."""
 
 ONE_SHARD = ("test_distributed.py", "test_folder_input.py", "test_hostile_rows.py", "test_benchmarks.py")
 """Files that run ``mlx.launch``: its ranks meet on fixed local ports, so two launches at once would collide."""

@@ -213,8 +213,8 @@ def _quantized_problem(model: Any) -> Optional[str]:
 def _batching_problem(model: Any) -> Optional[str]:
     """Why rows of different lengths cannot decode together on this model (None: they can):
     three rows through mlx_lm's ``BatchGenerator`` as the engine runs them, fresh (prefilled
-    together, right-padded) and prefilled alone first (decoded together), each step's
-    log-probabilities compared with the same row alone on ``generate_step``."""
+    together, right-padded) and prefilled alone first (decoded together), the first step's
+    log-probabilities compared with the same row's alone, from the model called directly."""
     try:
         decoder_layers(model)
     except UnsupportedModelError as e:
@@ -227,32 +227,30 @@ def _batching_problem(model: Any) -> Optional[str]:
     rows = [_IDS[:9], _IDS[:4], _IDS[:7]]
     worst = 0.0
     for layout in (config, EvictionConfig(budget=None).for_model(model)):  # eviction, and the model's own caches
+        alone = [_first_step_alone(model, layout, ids) for ids in rows]
         for history in (False, True):
-            alone = [_steps_alone(model, layout, ids, history) for ids in rows]
             try:
                 together = _steps_together(model, layout, rows, history)
             except Exception as e:  # noqa: BLE001 - any failure here means the rows must run alone
                 return f"rows decoded together failed ({type(e).__name__}: {str(e)[:160]})"
             for a, t in zip(alone, together):
-                worst = max(worst, _relative_difference(a[0], t[0]))
+                worst = max(worst, _relative_difference(a, t))
     if not worst <= 1e-3:
         return f"rows decoded together gave other log-probabilities than each row alone (relative {worst:.1e})"
     return None
 
 
-def _steps_alone(model: Any, config: Any, ids: list, history: bool) -> list:
-    from mlx_lm.generate import generate_step
-
+def _first_step_alone(model: Any, config: Any, ids: list) -> np.ndarray:
+    """The first step's log-probabilities of one row alone, as mlx_lm's ``generate_step``
+    computes them: all but the last token prefilled, then the last one."""
     caches = make_eviction_cache(model, config)
-    if history:
-        model(mx.array(ids[:-1])[None], cache=caches)
-        ids = ids[-1:]
-    steps = generate_step(mx.array(ids), model, max_tokens=2, sampler=lambda x: mx.argmax(x, axis=-1),
-                          prompt_cache=caches)
-    return [np.array(lp.astype(mx.float32)) for _, lp in steps]
+    model(mx.array(ids[:-1])[None], cache=caches)
+    logits = model(mx.array([ids[-1:]]), cache=caches)[0, -1].astype(mx.float32)
+    return np.array(logits - mx.logsumexp(logits, keepdims=True))
 
 
 def _steps_together(model: Any, config: Any, rows: list, history: bool) -> list:
+    """The first step's log-probabilities of each row, the rows decoded together."""
     from mlx_lm.generate import BatchGenerator
 
     caches = [make_eviction_cache(model, config) for _ in rows]
@@ -263,13 +261,13 @@ def _steps_together(model: Any, config: Any, rows: list, history: bool) -> list:
         prompts = [ids[-1:] for ids in rows]
     gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=len(rows), prefill_batch_size=len(rows))
     try:
-        uids = gen.insert(prompts, max_tokens=[2] * len(rows), caches=caches)
-        out: dict = {uid: [] for uid in uids}
+        uids = gen.insert(prompts, max_tokens=[1] * len(rows), caches=caches)
+        out: dict = {}
         with own_layer_masks(model):
-            while any(len(v) < 2 for v in out.values()):
+            while len(out) < len(uids):
                 _, decoded, _ = generator_step(gen)
                 for d in decoded:
-                    out[d.uid].append(np.array(d.logprobs.astype(mx.float32)))
+                    out.setdefault(d.uid, np.array(d.logprobs.astype(mx.float32)))
     finally:
         gen.close()
     return [out[uid] for uid in uids]
