@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .test_benchmarks import check_file, documented_schema, schema_for
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # None where the arm has no such thing: no probe (every rule but the question rule), no
@@ -35,6 +37,7 @@ def test_cost_quick_writes_every_section(tiny_model_dir, tmp_path):
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
+    check_file(data, schema_for("cost.json", documented_schema()))  # benchmarks/README.md's results table
     assert {"benchmark", "model", "quick", "date", "git", "machine", "settings", "weights_gb", "estimate_s",
             "prefill", "together", "job", "aims", "seconds"} <= set(data)
     assert data["quick"] is True and data["git"]["commit"] and data["machine"]["runtime"]

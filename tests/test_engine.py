@@ -56,11 +56,11 @@ def kept_sets_agree(batch_row: EvictionKVCache, alone: EvictionKVCache) -> bool:
 @pytest.mark.parametrize("skip_layers", [None, ()], ids=["default-skip", "no-skip"])
 def test_teacher_forced_rows_match_each_row_alone(mt, skip_layers):
     model, tok = mt
-    ids = text_of_tokens(tok, 600)
-    block = 256  # prefill blocks: the longest row takes two, the first row one and a token
-    rows = [ids[:265], ids[100:180], ids[300:600], ids[50:80]]  # mixed lengths, one under budget
+    ids = text_of_tokens(tok, 300)
+    block = 128  # prefill blocks: the longest row takes two, the first row one and a token
+    rows = [ids[:133], ids[50:90], ids[150:300], ids[25:40]]  # mixed lengths, one under budget
     # an intrinsic rule (0.6's default): the batch cache itself ranks and evicts
-    steps, config = 8, EvictionConfig(budget=64, **{**PRESETS["intrinsic"], "skip_layers": skip_layers})
+    steps, config = 4, EvictionConfig(budget=32, **{**PRESETS["intrinsic"], "skip_layers": skip_layers})
 
     alone, want = [], []
     for r in rows:
@@ -123,7 +123,7 @@ def test_greedy_batch_equals_batch_1_with_rows_leaving_and_joining(mt):
     prompts = ["List three facts about the moon, one per line.", "Name a colour.",
                "Summarize: " + " ".join(["The river flows to the sea and the sea rises to the clouds."] * 12),
                "Write a haiku about rain.", "What is the capital of France?"]
-    max_tokens = [12, 3, 8, 6, 10]  # rows finish at different steps; 5 rows through 2 slots
+    max_tokens = [6, 2, 4, 3, 5]  # rows finish at different steps; 5 rows through 2 slots
     config = EvictionConfig(budget=24, **PRESETS["intrinsic"])  # an intrinsic rule: the batch cache itself evicts
     results = [None] * len(prompts)
     finished = []
@@ -148,7 +148,7 @@ def test_generate_batch_api_order_callback_and_honest_numbers(mt):
     model, tok = mt
     prompts = ["Name a fruit.", "Explain photosynthesis in one paragraph for a child.", "Say yes."]
     seen = []
-    results = generate_batch_with_eviction(model, tok, prompts, batch_size=2, budget=16, max_tokens=10,
+    results = generate_batch_with_eviction(model, tok, prompts, batch_size=2, budget=16, max_tokens=5,
                                            skip_layers=(0, 1), on_result=lambda i, r: seen.append(i))
     assert sorted(seen) == [0, 1, 2] and all(isinstance(r, GenerationResult) for r in results)
     row = KV_HEADS * HEAD_DIM * 2 * 4
@@ -161,7 +161,7 @@ def test_generate_batch_api_order_callback_and_honest_numbers(mt):
         assert r.kept_bytes == (2 * r.tokens_seen + 28 * kept) * row
         assert r.text == tok.decode(r.tokens[:-1] if r.finish_reason == "stop" else r.tokens)
         assert r.prefill_s > 0 and r.decode_s > 0 and r.config["budget"] == 16
-    streamed = dict(stream_batch_with_eviction(model, tok, iter(prompts), batch_size=3, budget=16, max_tokens=10,
+    streamed = dict(stream_batch_with_eviction(model, tok, iter(prompts), batch_size=3, budget=16, max_tokens=5,
                                                skip_layers=(0, 1)))
     assert sorted(streamed) == [0, 1, 2]
     assert [streamed[i].prompt_tokens for i in range(3)] == [r.prompt_tokens for r in results]
