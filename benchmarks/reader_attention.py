@@ -36,19 +36,14 @@ from knorm_gen.eviction.cache import EvictionKVCache  # noqa: E402
 from knorm_gen.eviction.layouts import CANDIDATES  # noqa: E402
 from knorm_gen.generation.engine import prefill  # noqa: E402
 from knorm_gen.platform.mlx_compat import record_attention  # noqa: E402
-from knorm_gen.tuning.evaluate import Evaluator, answer_nll  # noqa: E402
+from knorm_gen.tuning.evaluate import Evaluator  # noqa: E402
 
 
 def kept_positions(ev: Evaluator, arm: str, c: dict) -> dict[int, list[set]]:
     """Per compressed layer, per KV head, the positions ``arm`` kept once the prompt is read,
     prefilled as the grid prefills it."""
-    model, prefix, cut, end = ev.model, c["prefix"], c["cut"], c["end"]
     ev._seed(c["doc"].name + c["key"])
-    caches = prefill(model, prefix[: cut - 1], ev.caches(arm, c["budget"], c["spans"], prefix,
-                                                         [c["sum_q"], c["key_q"]]), ev.step)
-    answer_nll(model, caches, prefix[cut - 1:cut], prefix[cut:end])
-    if end < len(prefix):
-        prefill(model, prefix[end:], caches, ev.step)
+    caches, _ = ev.prefill_case(arm, c)
     return {i: [set(map(int, h)) for h in np.array(cache.ordered_state()[2][0]).tolist()]
             for i, cache in enumerate(caches) if isinstance(cache, EvictionKVCache)}
 

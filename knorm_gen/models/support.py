@@ -230,7 +230,7 @@ def _batching_problem(model: Any) -> Optional[str]:
         alone = [_first_step_alone(model, layout, ids) for ids in rows]
         for history in (False, True):
             try:
-                together = _steps_together(model, layout, rows, history)
+                together = _first_step_together(model, layout, rows, history)
             except Exception as e:  # noqa: BLE001 - any failure here means the rows must run alone
                 return f"rows decoded together failed ({type(e).__name__}: {str(e)[:160]})"
             for a, t in zip(alone, together):
@@ -249,7 +249,7 @@ def _first_step_alone(model: Any, config: Any, ids: list) -> np.ndarray:
     return np.array(logits - mx.logsumexp(logits, keepdims=True))
 
 
-def _steps_together(model: Any, config: Any, rows: list, history: bool) -> list:
+def _first_step_together(model: Any, config: Any, rows: list, history: bool) -> list:
     """The first step's log-probabilities of each row, the rows decoded together."""
     from mlx_lm.generate import BatchGenerator
 

@@ -270,17 +270,24 @@ class Evaluator:
                     cut=end - max(16, min(tail, (end - start) // 4)), budget=self.budget_for(spans, len(prefix)),
                     human=human, doc_tokens=end - start)
 
-    def _document_arm(self, arm: str, c: dict, refs: dict, max_tokens: int) -> list[dict]:
-        model, tok, prefix, cut, end = self.model, self.tok, c["prefix"], c["cut"], c["end"]
-        tic = time.perf_counter()
+    def prefill_case(self, arm: str, c: dict) -> tuple[list, float]:
+        """``arm``'s caches with a case's whole prompt read (:meth:`_document_case`): the document's
+        head prefilled, its last tokens fed as one block, then the rest; and that block's NLL."""
+        model, prefix, cut, end = self.model, c["prefix"], c["cut"], c["end"]
         caches = prefill(model, prefix[: cut - 1], self.caches(arm, c["budget"], c["spans"], prefix,
                                                                [c["sum_q"], c["key_q"]]), self.step)
         ppl = answer_nll(model, caches, prefix[cut - 1 : cut], prefix[cut:end])
         if end < len(prefix):
             prefill(model, prefix[end:], caches, self.step)
+        return caches, ppl
+
+    def _document_arm(self, arm: str, c: dict, refs: dict, max_tokens: int) -> list[dict]:
+        model, tok = self.model, self.tok
+        tic = time.perf_counter()
+        caches, ppl = self.prefill_case(arm, c)
         seconds = time.perf_counter() - tic
         stats = cache_stats(caches)
-        common = dict(doc=c["doc"].name, arm=arm, tokens=len(prefix), doc_tokens=c["doc_tokens"],
+        common = dict(doc=c["doc"].name, arm=arm, tokens=len(c["prefix"]), doc_tokens=c["doc_tokens"],
                       budget=None if arm == "full" else c["budget"])
         rows = []
         if arm == "full":
