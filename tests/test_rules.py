@@ -49,19 +49,15 @@ def as_probe(q, pieces) -> Probe:
     return Probe(mx.array(q), mx.array(pieces)[None], mx.zeros((1, len(pieces)), dtype=mx.bool_))
 
 
-def per_query_reference(keys, q, pieces, reach, standardize=False):
+def per_query_reference(keys, q, pieces, reach):
     """(1, H, N) float64 per-query scores (higher kept first): each query less its own mean
-    within ``reach`` positions either side (``standardize``: then over the root mean square of
-    those differences within ``reach``), then the best query, then the piece's best."""
+    within ``reach`` positions either side, then the best query, then the piece's best."""
     k, qq = keys[0].astype(np.float64), q[0].astype(np.float64)
     n = k.shape[1]
     s = np.empty((k.shape[0], n))
     for h in range(k.shape[0]):
         per = k[h] @ qq[h].T
-        c = np.array([per[i] - per[max(0, i - reach):i + reach + 1].mean(axis=0) for i in range(n)])
-        if standardize:
-            c = np.array([c[i] / np.sqrt((c[max(0, i - reach):i + reach + 1] ** 2).mean(axis=0)) for i in range(n)])
-        s[h] = c.max(axis=-1)
+        s[h] = [(per[i] - per[max(0, i - reach):i + reach + 1].mean(axis=0)).max() for i in range(n)]
     for g in set(pieces.tolist()):
         at = pieces == g
         s[:, at] = s[:, at].max(axis=-1, keepdims=True)
@@ -72,8 +68,6 @@ def question_reference(reading, keys, q, pieces):
     """(1, H, N) float64 question-rule scores of one block alone (higher kept first)."""
     best = reference_scores(keys, q, [list(pieces)], BEST_REACH)
     per_query = per_query_reference(keys, q, pieces, PER_QUERY_REACH)
-    if reading == "standardized":
-        return per_query_reference(keys, q, pieces, PER_QUERY_REACH, standardize=True)
     return {"best": best, "per_query": per_query, "mean": 0.5 * (best + per_query)}[reading]
 
 
@@ -356,7 +350,7 @@ def test_the_question_rules_settings_reach_the_config_only_where_a_layer_runs_it
     assert {"question_score", "carry"} <= set(EvictionConfig().to_dict())
     assert not {"question_score", "carry"} & set(EvictionConfig(keep="low").to_dict())
     assert {"question_score", "carry"} <= set(EvictionConfig(keep="low", layer_keep={2: "question"}).to_dict())
-    with pytest.raises(ValueError, match="question_score must be one of best, per_query, standardized, mean"):
+    with pytest.raises(ValueError, match="question_score must be one of best, per_query, mean"):
         EvictionConfig(question_score="max")
     with pytest.raises(ValueError, match="carry must be a share"):
         EvictionConfig(carry=1.5)

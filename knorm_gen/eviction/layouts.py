@@ -23,7 +23,6 @@ CANDIDATES: dict[str, dict] = {
     "spread90": _layout("default", carry=0.0, spread=0.9),
     "best": _layout("default", question_score="best"),
     "per_query": _layout("default", question_score="per_query"),
-    "standardized": _layout("default", question_score="standardized"),
     # the other presets, and their rules alone in every layer at the default's recent quarter
     "question": _layout("question"),
     "intrinsic": _layout("intrinsic"),

@@ -60,18 +60,14 @@ PER_QUERY_REACH = 128
 against before the best query is taken (measured against 64: more held-out keys on SmolLM2, the
 same on Gemma 3, more of a fresh README's summary on Gemma 3)."""
 
-READINGS = ("best", "per_query", "standardized", "mean")
+READINGS = ("best", "per_query", "mean")
 """How a key's score is read from the probe (``question_score``):
 
 - ``best``: the best query's dot product, less its mean within :data:`BEST_REACH` positions;
 - ``per_query``: each query's dot products less their own mean within :data:`PER_QUERY_REACH`
   positions, then the best query: a broad query (one that scores whole regions high) no
   longer decides the selection alone;
-- ``standardized``: as ``per_query``, each query's dot products less their mean within
-  :data:`PER_QUERY_REACH` positions, then divided by their root mean square there, then the best
-  query: each query head of a KV head's group gets an equal voice, where the others let the
-  query with the widest spread choose the group's positions;
-- ``mean``: the mean of ``best`` and ``per_query``, so a piece either ranks high is kept (on SmolLM2 the
+- ``mean``: the mean of the two, so a piece either ranks high is kept (on SmolLM2 the
   per-query reading alone dropped a key sentence from most heads of the later layers where
   the best reading kept it)."""
 
@@ -151,9 +147,8 @@ class Question(Rule):
 
     reading: str = setting(
         "mean", "How the question rule reads a key's score from the probe: best = the best query's attention "
-        "beyond the sentences around it; per_query = each query's beyond its own neighbourhood; standardized = "
-        "per_query over each query's own spread, so every query head of a group has an equal voice; mean = the "
-        "mean of best and per_query.", key="question_score", choices=READINGS)
+        "beyond the sentences around it; per_query = each query's beyond its own neighbourhood; mean = the mean "
+        "of the two.", key="question_score", choices=READINGS)
     carry: float = setting(
         0.25, "Share of each question-rule layer's rule slots (after the first such layer) kept for the positions "
         "the earlier layers scored best (0 = none).", key="carry", metavar="SHARE")
@@ -177,35 +172,28 @@ class Question(Rule):
         again = mx.logical_and(pos <= state.last, mx.take_along_axis(state.repeated, mx.minimum(pos, state.last),
                                                                      axis=-1))
 
-        def read(per_query: bool, standardize: bool = False) -> mx.array:
+        def read(per_query: bool) -> mx.array:
             s = question_scores(keys, state.queries, seg, PER_QUERY_REACH if per_query else BEST_REACH, per_query,
-                                state.valid, standardize)
+                                state.valid)
             return -mx.where(again[:, None, :], s - REPEAT_PENALTY, s)
 
         if self.reading == "mean":
             return 0.5 * (read(False) + read(True))
-        if self.reading == "standardized":
-            return read(True, standardize=True)
         return read(self.reading == "per_query")
 
 
 def question_scores(keys: mx.array, queries: mx.array, segments: Optional[mx.array] = None,
                     local: int = BEST_REACH, per_query: bool = False,
-                    valid: Optional[mx.array] = None, standardize: bool = False) -> mx.array:
+                    valid: Optional[mx.array] = None) -> mx.array:
     """``(B, H, N)`` float32 scores (higher: more wanted) of a block of keys ``(B, H, N, D)``
     against unit probe queries ``(B, H, M, D)`` (:func:`probe_queries`; ``valid (B, 1, 1, M)``
     marks the real ones of padded rows); ``segments``: ``(B, N)`` piece numbers of the
     block's tokens (:func:`segment_ids`), nondecreasing along a row; None: each token
     alone. ``local``: the mean score within that many positions is subtracted (0: none);
-    ``per_query``: from each query's dot products before the best is taken, not from the best;
-    ``standardize`` (with ``per_query``): each query's centred dot products are then divided by
-    their root mean square within ``local`` positions."""
+    ``per_query``: from each query's dot products before the best is taken, not from the best."""
     s = keys.astype(mx.float32) @ mx.swapaxes(queries.astype(mx.float32), -1, -2)  # (B, H, N, M)
     if per_query and local:
         s = s - _local_mean(s, local, axis=2)
-        if standardize:
-            # centred first: Qwen2's key bias makes the raw dot products large beside their spread
-            s = s * mx.rsqrt(mx.maximum(_local_mean(s * s, local, axis=2), 1e-12))
         local = 0
     if valid is not None:
         s = mx.where(valid, s, -mx.inf)
