@@ -95,6 +95,15 @@ def model_path(name: str):
     return name
 
 
+def choosing_half_options(ap: argparse.ArgumentParser, docs: str) -> None:
+    """The options of the diagnostics that read papers of the choosing half (key_bias.py,
+    reader_attention.py): the model, which papers, how long a body, where the rows go."""
+    ap.add_argument("--model", default="qwen2.5-0.5b", help="'default', 'qwen2.5-0.5b' or a path load_model reads")
+    ap.add_argument("--docs", default=docs, help="A:B, papers A to B-1 of the choosing half (the grid's --choosing)")
+    ap.add_argument("--tokens", type=int, default=2048, help="each paper's body cut to this many tokens")
+    ap.add_argument("--out", help="write the rows here (JSON)")
+
+
 def cases(tok, docs: list[Doc], fillers: list[str], n_tokens: int) -> list[tuple]:
     import random
 

@@ -26,7 +26,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from documents import papers  # noqa: E402
-from grid import model_path  # noqa: E402
+from grid import choosing_half_options, model_path  # noqa: E402
 
 from knorm_gen import load_model  # noqa: E402
 from knorm_gen.eviction.rules.question import BEST_REACH, _local_mean, make_probe, question_scores  # noqa: E402
@@ -80,10 +80,7 @@ def layer_rows(model, tok, name: str, body: str) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-0.5b", help="'default', 'qwen2.5-0.5b' or a path load_model reads")
-    ap.add_argument("--docs", default="0:4", help="A:B, papers A to B-1 of the choosing half (the grid's --choosing)")
-    ap.add_argument("--tokens", type=int, default=2048, help="each paper's body cut to this many tokens")
-    ap.add_argument("--out", help="write the rows here (JSON)")
+    choosing_half_options(ap, docs="0:4")
     args = ap.parse_args()
     path = model_path(args.model)
     model, tok = load_model(path, float32=True) if path else load_model(float32=True)

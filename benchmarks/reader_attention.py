@@ -29,7 +29,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grid import cases, grid_docs, model_path  # noqa: E402
+from grid import cases, choosing_half_options, grid_docs, model_path  # noqa: E402
 
 from knorm_gen import load_model  # noqa: E402
 from knorm_gen.eviction.cache import EvictionKVCache  # noqa: E402
@@ -91,11 +91,8 @@ def shares(weights: dict[int, np.ndarray], kept: dict[int, list[set]], start: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-0.5b", help="'default', 'qwen2.5-0.5b' or a path load_model reads")
-    ap.add_argument("--docs", default="0:3", help="A:B, papers A to B-1 of the choosing half (the grid's --choosing)")
-    ap.add_argument("--tokens", type=int, default=2048, help="each paper's body cut to this many tokens")
+    choosing_half_options(ap, docs="0:3")
     ap.add_argument("--arms", default="default,random", help="two layouts of knorm_gen.eviction.layouts.CANDIDATES")
-    ap.add_argument("--out", help="write the rows here (JSON)")
     args = ap.parse_args()
     path = model_path(args.model)
     model, tok = load_model(path)
