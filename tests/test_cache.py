@@ -324,7 +324,7 @@ def test_a_prompt_cache_saved_in_the_older_positional_form_under_the_old_class_n
         if isinstance(c, EvictionKVCache):
             old.append((OLD_NAME, [c.keys, c.values, c.rank, c.free, c.count, c.offset, c.budget, c.n_sink,
                                           c.recent, "keydiff", 0, c.state_of_rule, json.dumps(c.row_spans),
-                                          c.coverage, 0, c.kv_group_size, "mean", 0.0, 0.0, c.salt]))
+                                          0.0, 0, c.kv_group_size, "mean", 0.0, 0.0, c.salt]))
         else:
             old.append((type(c).__name__, c.state))
 
@@ -463,7 +463,10 @@ def test_layer_keep_sets_the_rule_of_single_layers(tiny_model, tmp_path):
 
 def test_the_default_bounds_every_layer_with_the_question_rule_and_the_blend_pairs_with_early_leverage():
     from knorm_gen.eviction.memory import kv_memory
+    from knorm_gen.eviction.rules.keydiff import Blend
+    from knorm_gen.eviction.rules.leverage import Leverage
     from knorm_gen.eviction.rules.question import Question
+    from knorm_gen.eviction.rules.variants import Coverage
 
     config = EvictionConfig(budget=8)
     assert (config.keep, config.question_score, config.carry, config.early_keep, config.coverage,
@@ -472,10 +475,11 @@ def test_the_default_bounds_every_layer_with_the_question_rule_and_the_blend_pai
     caches = make_eviction_cache(model, config)
     # every layer the question rule, no coverage, a quarter of the budget recent: int(0.25 * 8)
     assert all(isinstance(c, EvictionKVCache) and c.rule == Question(reading="mean", carry=0.25)
-               and c.coverage == 0.0 and c.recent == 2 for c in caches)
+               and c.rule.variants() == () and c.recent == 2 for c in caches)
     # --preset intrinsic: 30% of 10 layers, counted by hand, take leverage, the other seven the blend
     intrinsic = make_eviction_cache(model, EvictionConfig(budget=8, keep="blend", coverage=0.25))
-    assert [c.keep for c in intrinsic] == ["leverage"] * 3 + ["blend"] * 7 and intrinsic[0].coverage == 0.25
+    assert [c.keep for c in intrinsic] == ["leverage"] * 3 + ["blend"] * 7
+    assert intrinsic[0].rule == Coverage(Leverage(), 0.25) and intrinsic[9].rule == Coverage(Blend(), 0.25)
     # another rule given: that rule everywhere ("auto" pairs leverage with the blend alone)
     assert [c.keep for c in make_eviction_cache(model, EvictionConfig(budget=8, keep="low"))] == ["low"] * 10
     assert [c.keep for c in make_eviction_cache(model, EvictionConfig(budget=8, keep="blend", early_keep="blend"))] \

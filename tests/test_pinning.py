@@ -128,11 +128,14 @@ def test_spans_and_coverage_survive_save_and_load(tmp_path):
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
     keys = distinct_norm_keys(60, np.random.default_rng(4))
-    c = EvictionKVCache(12, 2, 1, "keydiff", coverage=0.25, spans=((4, 50),))
+    from knorm_gen.eviction.rules.keydiff import KeyDiff
+    from knorm_gen.eviction.rules.variants import Coverage
+
+    c = EvictionKVCache(12, 2, 1, Coverage(KeyDiff(), 0.25), spans=((4, 50),))
     feed_keys(c, keys[:, :, :45], [45])
     save_prompt_cache(str(tmp_path / "c.safetensors"), [c])
     (loaded,) = load_prompt_cache(str(tmp_path / "c.safetensors"))
-    assert loaded.spans == c.spans and loaded.coverage == c.coverage
+    assert loaded.spans == c.spans and loaded.rule == c.rule == Coverage(KeyDiff(), 0.25)
     for cache in (c, loaded):
         feed_keys(cache, keys[:, :, 45:], [1] * 15)
     assert kept(loaded) == kept(c)

@@ -527,7 +527,10 @@ def test_spread_keeps_a_random_share_of_its_own_per_head_and_layer(salt):
     # keep="low" with spread 0.5: per head, half the rule's slots hold the positions of highest priority
     # (a hash of position, head and layer), the rest the lowest norms of the others, as a numpy run ranks them.
     keys = distinct_norm_keys(T, np.random.default_rng(4), heads=2)
-    cache = EvictionKVCache(BUDGET, N_SINK, RECENT, "low", spread=0.5, salt=salt)
+    from knorm_gen.eviction.rules.norm import Low
+    from knorm_gen.eviction.rules.variants import Spread
+
+    cache = EvictionKVCache(BUDGET, N_SINK, RECENT, Spread(Low(), 0.5), salt=salt)
     feed_keys(cache, keys, [T])
     got = kept_positions(cache)
     protected = set(range(N_SINK)) | set(range(T - RECENT, T))
@@ -543,3 +546,35 @@ def test_spread_keeps_a_random_share_of_its_own_per_head_and_layer(salt):
     other = EvictionKVCache(BUDGET, N_SINK, RECENT, "low", spread=0.5, salt=salt + 1)
     feed_keys(other, keys, [T])
     assert not np.array_equal(kept_positions(other), got)  # another layer draws other positions
+
+
+def test_variants_stack_on_any_rule_in_their_tiers():
+    # Spread(Coverage(low)): the sinks and recent window, then coverage's stride (cover_slots(14, 0.25, 7)
+    # = 3 slots: stride 16 over 48 positions, 0 being a sink), then half of what is left to the rule
+    # (int(0.5 * (14 - 7 - 3)) = 2) drawn by priority, then the lowest norms: counted here by hand.
+    from knorm_gen.eviction.rules.norm import Low
+    from knorm_gen.eviction.rules.variants import Coverage, Spread
+
+    keys = distinct_norm_keys(T, np.random.default_rng(6), heads=2)
+    rule = Spread(Coverage(Low(), 0.25), 0.5)
+    cache = EvictionKVCache(BUDGET, N_SINK, RECENT, rule, salt=3)
+    feed_keys(cache, keys, [T])
+    got = kept_positions(cache)
+    protected = set(range(N_SINK)) | set(range(T - RECENT, T))
+    covered = {16, 32}
+    prio = numpy_spread_priority(range(T), 2, 3)
+    norms = (keys[0].astype(np.float64) ** 2).sum(-1)
+    for h in range(2):
+        rest = [p for p in range(T) if p not in protected | covered]
+        spread = sorted(rest, key=lambda p: (-int(prio[h, p]), p))[:2]
+        by_norm = sorted((p for p in rest if p not in spread), key=lambda p: (norms[h, p], p))
+        want = protected | covered | set(spread) | set(by_norm[: BUDGET - len(protected) - 2 - 2])
+        assert list(got[0, h]) == sorted(want), h
+    # the same layout from a rule name and its variants' shares, and from the config fields
+    by_name = EvictionKVCache(BUDGET, N_SINK, RECENT, "low", coverage=0.25, spread=0.5, salt=3)
+    assert by_name.rule == rule
+    config = EvictionConfig(budget=BUDGET, n_sink=N_SINK, recent=RECENT, keep=rule, early_keep="low")
+    assert (config.keep, config.coverage, config.spread) == ("low", 0.25, 0.5)
+    from .conftest import tiny_llama
+
+    assert all(c.rule == rule for c in make_eviction_cache(tiny_llama(layers=2), config))

@@ -44,6 +44,7 @@ from .legacy import OLD_CACHE_CLASSES, old_row_state, saved_rule
 from .quant import Stored
 from .rules import RULES, Rule, make_rule
 from .rules.question import Probe, make_probe
+from .rules.variants import VARIANTS, share_of, with_variants
 from .selection import (
     PAD,
     PROTECTED,
@@ -52,11 +53,9 @@ from .selection import (
     carry_slots,
     carry_tier,
     carry_values,
-    cover_slots,
     evict_key,
     rank_positions,
     rescore,
-    spread_tier,
 )
 from .spans import ALL_EVICTABLE, Spans, check_spans, evictable_from, open_ended, pin_from, pinned_count, span_array
 
@@ -72,21 +71,24 @@ class BatchEvictionKVCache(_BaseCache):
     """One layer's eviction cache for B rows. Every row has its own budget, recent
     window and spans (what it pins), so question rows, prompt rows and rows whose
     documents differ in length share one batch; the rule, its settings, ``n_sink``,
-    ``coverage``, ``carry`` and the stored precision are the batch's.
+    carry, the variants wrapping the rule and the stored precision are the batch's.
 
     Over a row's limit (its budget plus the pinned tokens it has seen) each (row, KV
     head) keeps its smallest ranks: the first ``n_sink`` positions, the last
-    ``recent`` ones and every pinned position first, then ``coverage``'s evenly
-    spread share, then (a carrying question layer after the first) the positions the
-    earlier layers scored best, then the rule's scores, ties to the earlier position.
+    ``recent`` ones and every pinned position first, then the tiers of the variants
+    wrapping the rule that come before carry (:class:`~knorm_gen.eviction.rules.variants.Coverage`),
+    then (a carrying question layer after the first) the positions the earlier layers
+    scored best, then the tiers of those that come after it
+    (:class:`~knorm_gen.eviction.rules.variants.Spread`), then the rule's scores, ties to
+    the earlier position.
     """
 
     per_row_mask = True  # rows differ in what they hold: see mlx_compat.own_layer_masks
 
     def __init__(self, budget: int = CACHE_BUDGET, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
-                 keep: Union[str, Rule] = "low", coverage: float = 0.0, batch_size: int = 0,
+                 keep: Union[str, Rule] = "low", batch_size: int = 0,
                  spans: Optional[Sequence[Spans]] = None, kv_bits: Optional[int] = None,
-                 kv_group_size: int = EvictionConfig.kv_group_size, *, spread: float = 0.0, salt: int = 0,
+                 kv_group_size: int = EvictionConfig.kv_group_size, *, salt: int = 0,
                  budgets: Optional[Sequence[int]] = None, recents: Optional[Sequence[int]] = None,
                  **rule_settings: Any):
         rows = batch_size if spans is None else len(spans)
@@ -94,8 +96,8 @@ class BatchEvictionKVCache(_BaseCache):
         recents = [recent] * rows if recents is None else [int(r) for r in recents]
         rule = _rule(keep, rule_settings)
         for b, r in zip(budgets, recents):
-            validate_eviction_args(b, n_sink, r, rule.name, coverage)
-        self._settings_from(n_sink, rule, coverage, kv_bits, kv_group_size, spread, salt)
+            validate_eviction_args(b, n_sink, r, rule.name, share_of(rule, "coverage"))
+        self._settings_from(n_sink, rule, kv_bits, kv_group_size, salt)
         self.budgets, self.recents = budgets, recents
         self.spans = [ALL_EVICTABLE] * rows if spans is None else [check_spans(s) for s in spans]
         self.counts, self.seen, self.holes = [0] * rows, [0] * rows, [False] * rows
@@ -103,10 +105,10 @@ class BatchEvictionKVCache(_BaseCache):
         self.tokens: list = [object() for _ in range(rows)]  # each row's identity while it is held
         self._empty_state()
 
-    def _settings_from(self, n_sink, rule: Rule, coverage, kv_bits, kv_group_size, spread=0.0, salt=0) -> None:
-        self.rule: Rule = rule  # the rule with its own settings; the cache never asks which it is
-        self.n_sink, self.keep, self.coverage = int(n_sink), rule.name, float(coverage)
-        self.spread, self.salt = float(spread), int(salt)  # salt: the layer, so each layer draws its own
+    def _settings_from(self, n_sink, rule: Rule, kv_bits, kv_group_size, salt=0) -> None:
+        self.rule: Rule = rule  # the rule with its own settings and variants; the cache never asks which it is
+        self.n_sink, self.keep = int(n_sink), rule.name
+        self.salt = int(salt)  # the layer, so each layer draws its own spread positions
         quant.check_kv_quantization(kv_bits, kv_group_size)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         # mlx_lm's attention takes the quantized path for a cache that has ``bits``
@@ -195,8 +197,8 @@ class BatchEvictionKVCache(_BaseCache):
     def extend(self, other: "BatchEvictionKVCache") -> None:
         """Append the rows of ``other`` (the same settings; budgets may differ) after this cache's rows."""
         if not isinstance(other, BatchEvictionKVCache) or _settings(other) != _settings(self):
-            raise ValueError("can only extend with an eviction cache of the same layer, rule, n_sink, coverage, carry, "
-                             "spread and kv_bits/kv_group_size")
+            raise ValueError("can only extend with an eviction cache of the same layer, rule (its settings and "
+                             "variants), n_sink and kv_bits/kv_group_size")
         self._compact()
         other._compact()
         if other.keys is not None or self.keys is not None:
@@ -273,13 +275,12 @@ class BatchEvictionKVCache(_BaseCache):
         return out
 
     def _settings_args(self) -> tuple:
-        return (self.n_sink, self.rule, self.coverage, self.kv_bits, self.kv_group_size, self.spread, self.salt)
+        return (self.n_sink, self.rule, self.kv_bits, self.kv_group_size, self.salt)
 
     # ---- state -------------------------------------------------------------------
     @property
     def state(self):
-        meta = {"n_sink": self.n_sink, "keep": self.keep, **self.rule.settings(), "spread": self.spread,
-                "salt": self.salt, "coverage": self.coverage,
+        meta = {"n_sink": self.n_sink, "keep": self.keep, **self.rule.settings(), "salt": self.salt,
                 "kv_bits": self.kv_bits,
                 "kv_group_size": self.kv_group_size, "budgets": self.budgets, "recents": self.recents,
                 "counts": self.counts, "seen": self.seen, "holes": self.holes, "spans": self.spans}
@@ -290,9 +291,9 @@ class BatchEvictionKVCache(_BaseCache):
         # Named settings beside the arrays; a row saved as positional slots is read by the translator.
         keys, values, rank, free, rule_state, meta = (tuple(v[:5]) + (json.loads(v[5]),) if len(v) == 6 and
                                                       isinstance(v[5], str) else old_row_state(v))
-        self._settings_from(meta["n_sink"], make_rule(**saved_rule(meta)), meta["coverage"], meta.get("kv_bits"),
-                            meta.get("kv_group_size", EvictionConfig.kv_group_size), meta.get("spread", 0.0),
-                            meta.get("salt", 0))
+        rule = with_variants(make_rule(**saved_rule(meta)), meta.get("coverage", 0.0), meta.get("spread", 0.0))
+        self._settings_from(meta["n_sink"], rule, meta.get("kv_bits"),
+                            meta.get("kv_group_size", EvictionConfig.kv_group_size), meta.get("salt", 0))
         rows = len(meta["counts"])
         self.budgets = list(meta.get("budgets") or [meta["budget"]] * rows)
         self.recents = list(meta.get("recents") or [meta["recent"]] * rows)
@@ -382,22 +383,24 @@ class BatchEvictionKVCache(_BaseCache):
         """Tokens each row may hold now: its budget plus its pinned tokens seen."""
         return [b + pinned_count(sp, self.n_sink, s) for b, sp, s in zip(self.budgets, self.spans, self.seen)]
 
-    def _cover_slots(self) -> list[int]:
-        return [cover_slots(b, self.coverage, self.n_sink + r) for b, r in zip(self.budgets, self.recents)]
-
     def _evict_key(self, rank: mx.array) -> mx.array:
-        """Ranks with each row's recent window, coverage and carried positions before its scores (PAD stays PAD)."""
-        covers = self._cover_slots()
-        key = evict_key(rank, self.seen, self.recents, covers if self.coverage else ())
+        """Ranks with each row's recent window, its variants' tiers and carried positions before its
+        scores (PAD stays PAD)."""
+        variants = self.rule.variants()
+        reserved = [self.n_sink + r for r in self.recents]  # sinks and the recent window
+        for v in variants:
+            if not v.after_carry:
+                slots = [v.slots(b, res) for b, res in zip(self.budgets, reserved)]
+                rank = v.mark(rank, self.seen, slots, self.salt)
+                reserved = [res + n for res, n in zip(reserved, slots)]
+        key = evict_key(rank, self.seen, self.recents)
         carry = self.group.carried(self) if self.group is not None else None
         if carry is not None:  # a carrying layer after the first: the earlier ones' best positions next
-            slots = [carry_slots(b, self.rule.carry, self.n_sink + r + c)
-                     for b, r, c in zip(self.budgets, self.recents, covers)]
+            slots = [carry_slots(b, self.rule.carry, res) for b, res in zip(self.budgets, reserved)]
             key = carry_tier(key, carry, slots)
-        if self.spread:  # then a random choice of each head's own
-            slots = [carry_slots(b, self.spread, self.n_sink + r + c)
-                     for b, r, c in zip(self.budgets, self.recents, covers)]
-            key = spread_tier(key, slots, self.salt)
+        for v in variants:  # the variants after carry share the slots carry shares out, not carry's own
+            if v.after_carry:
+                key = v.mark(key, self.seen, [v.slots(b, res) for b, res in zip(self.budgets, reserved)], self.salt)
         return key
 
     def _span_array(self) -> Optional[mx.array]:
@@ -648,11 +651,11 @@ class EvictionKVCache(BatchEvictionKVCache):
     per_row_mask = False
 
     def __init__(self, budget: int = CACHE_BUDGET, n_sink: int = EvictionConfig.n_sink, recent: int = 0,
-                 keep: Union[str, Rule] = "low", coverage: float = 0.0, spans: Spans = ALL_EVICTABLE,
+                 keep: Union[str, Rule] = "low", spans: Spans = ALL_EVICTABLE,
                  kv_bits: Optional[int] = None, kv_group_size: int = EvictionConfig.kv_group_size, *,
-                 spread: float = 0.0, salt: int = 0, **rule_settings: Any):
-        super().__init__(budget, n_sink, recent, keep, coverage, spans=[spans], kv_bits=kv_bits,
-                         kv_group_size=kv_group_size, spread=spread, salt=salt, **rule_settings)
+                 salt: int = 0, **rule_settings: Any):
+        super().__init__(budget, n_sink, recent, keep, spans=[spans], kv_bits=kv_bits,
+                         kv_group_size=kv_group_size, salt=salt, **rule_settings)
 
     def _sync_offset(self) -> None:
         pass  # offset is a property of the one row
@@ -789,19 +792,21 @@ class EvictionKVCache(BatchEvictionKVCache):
 
 
 def _rule(keep: Union[str, Rule], settings: dict) -> Rule:
-    """``keep`` as a rule object: given as one, or by name with its settings by their keys."""
+    """``keep`` as a rule object: given as one, or by name with its settings and its variants'
+    shares (``coverage=``, ``spread=``) by their keys."""
     if isinstance(keep, Rule) and settings:
         raise TypeError(f"keep={keep!r} is a rule with its settings: leave out {', '.join(settings)}")
-    known = {key for cls in RULES.values() for key in cls.setting_fields()}
+    known = {key for cls in RULES.values() for key in cls.setting_fields()} | set(VARIANTS)
     unknown = set(settings) - known
     if unknown:
         raise TypeError(f"unknown rule setting(s) {', '.join(sorted(unknown))}; the rules' settings are "
                         f"{', '.join(sorted(known))}")
-    return make_rule(keep, **settings)
+    shares = {key: settings.pop(key) for key in VARIANTS if key in settings}
+    return with_variants(make_rule(keep, **settings), **shares)
 
 
 def _settings(c: BatchEvictionKVCache) -> tuple:
-    return (c.n_sink, c.rule, c.coverage, c.spread, c.salt, c.kv_bits, c.kv_group_size)
+    return (c.n_sink, c.rule, c.salt, c.kv_bits, c.kv_group_size)
 
 
 def _pad_board(board: Optional[mx.array], rows: int, width: int) -> mx.array:
@@ -848,10 +853,10 @@ def make_eviction_cache(model: nn.Module, config: Union[EvictionConfig, Resolved
 
     def layer(i, c, plan):
         if plan is not None:
-            return EvictionKVCache(plan.budget, config.n_sink, plan.recent, config.rule_of(i), config.coverage, spans,
-                                   bits, group, spread=config.spread, salt=i)
+            return EvictionKVCache(plan.budget, config.n_sink, plan.recent, config.rule_of(i), spans, bits, group,
+                                   salt=i)
         if bits and is_full_attention(c):
-            return EvictionKVCache(UNBOUNDED, 0, 0, "low", 0.0, ALL_EVICTABLE, bits, group)
+            return EvictionKVCache(UNBOUNDED, 0, 0, "low", ALL_EVICTABLE, bits, group)
         return c
 
     return [layer(i, c, plan) for i, (c, plan) in enumerate(zip(caches, config.layers))]

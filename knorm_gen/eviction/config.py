@@ -19,6 +19,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 from .quant import KV_GROUP_SIZES, check_head_dims, check_kv_quantization
 from .rules import KEEP_MODES, RULES, Rule, make_rule, setting_fields
+from .rules.variants import with_variants
 from .spans import Spans, span_positions
 
 EARLY_FRACTION = 0.3
@@ -705,8 +706,9 @@ class ResolvedEviction:
         return {self.keep_of(i) for i, plan in enumerate(self.layers) if plan is not None} or {self.keep}
 
     def rule_of(self, layer: int) -> Rule:
-        """The rule object of ``layer``, with its settings."""
-        return make_rule(self.keep_of(layer), **dict(self.rule_settings))
+        """The rule object of ``layer``, with its settings, wrapped by the variants this layout sets
+        (:func:`~knorm_gen.eviction.rules.variants.with_variants`)."""
+        return with_variants(make_rule(self.keep_of(layer), **dict(self.rule_settings)), self.coverage, self.spread)
 
     def to_dict(self) -> dict:
         """The ``config`` records and results report (the same keys as ever:

@@ -12,6 +12,9 @@ A new rule is one file here plus its line in :data:`RULES`; its settings are its
 fields (:func:`~knorm_gen.eviction.rules.base.setting`), which become config fields, options,
 job-file keys and record keys by themselves. ``tests/test_rules.py`` runs the shared tests
 over every entry; its numpy reference for the new rule is the third file.
+
+:mod:`.variants` (imported from there) wraps any rule: ``Coverage(rule, share)`` and ``Spread(rule, share)`` give a share
+of its slots to positions its scores did not choose (the config fields ``coverage`` and ``spread``).
 """
 
 from __future__ import annotations

@@ -101,6 +101,14 @@ class Rule:
             raise ValueError(f"{key} must be one of {', '.join(map(str, f.metadata['choices']))}; "
                              f"got {getattr(self, name)!r}")
 
+    def variants(self) -> tuple:
+        """The variants wrapping this rule, innermost first (:mod:`.variants`); a rule alone has none."""
+        return ()
+
+    def base(self) -> "Rule":
+        """The rule itself, out of any variants wrapping it."""
+        return self
+
     # ---- running state -------------------------------------------------------
     def update(self, state: Any, keys: mx.array, seen: Sequence[int], real: Sequence[int]) -> Optional[mx.array]:
         """The running state once a block ``keys (B, H, N, D)`` is read: ``state`` before it
