@@ -10,7 +10,11 @@ of query heads (3 on SmolLM2, 4 on Gemma 3 270M, 7 on Qwen2.5-0.5B), and it keep
 positions for all of them.
 
 Printed per model: the mean share per layout, how many query heads the first layout serves worse
-than the second, and the same for the worst-served head of each group.
+than the second, and the same for the worst-served head of each group. Then what each layout keeps
+by kind of token and by stretch of the document: the share of its kept document positions that are
+*word* tokens (any letter or digit; the others are spaces, punctuation, line breaks, markup), beside
+that share in the whole document and the share of the reader's attention that falls on word tokens;
+and per tenth of the document, the share of it each layout keeps and the reader's attention on it.
 
     python benchmarks/reader_attention.py --model qwen2.5-0.5b --docs 0:3 --out benchmarks/results/reader-attention-qwen2.json
     python benchmarks/reader_attention.py --model default --docs 0:3
@@ -42,7 +46,7 @@ from knorm_gen.tuning.evaluate import Evaluator  # noqa: E402
 def kept_positions(ev: Evaluator, arm: str, c: dict) -> dict[int, list[set]]:
     """Per compressed layer, per KV head, the positions ``arm`` kept once the prompt is read,
     prefilled as the grid prefills it."""
-    ev._seed(c["doc"].name + c["key"])
+    ev.seed(c["doc"].name + c["key"])
     caches, _ = ev.prefill_case(arm, c)
     return {i: [set(map(int, h)) for h in np.array(cache.ordered_state()[2][0]).tolist()]
             for i, cache in enumerate(caches) if isinstance(cache, EvictionKVCache)}
@@ -89,6 +93,34 @@ def shares(weights: dict[int, np.ndarray], kept: dict[int, list[set]], start: in
     return out
 
 
+def word_tokens(tok, ids: list, start: int, end: int) -> np.ndarray:
+    """Per document position, whether its token holds a letter or a digit."""
+    return np.array([any(ch.isalnum() for ch in tok.decode([int(t)])) for t in list(ids)[start:end]])
+
+
+def by_kind(weights: dict[int, np.ndarray], kept: dict[int, list[set]], words: np.ndarray, start: int) -> dict:
+    """The share of kept document positions that are word tokens, the reader's attention share on word
+    tokens, and per tenth of the document the share kept and the reader's attention share (means over
+    compressed layers and heads)."""
+    n = len(words)
+    tenth = np.minimum(np.arange(n) * 10 // n, 9)
+    word_share, kept_tenths = [], []
+    for heads in kept.values():
+        for h in heads:
+            pos = np.array(sorted(p - start for p in h if start <= p < start + n), dtype=int)
+            word_share.append(words[pos].mean() if len(pos) else 0.0)
+            kept_tenths.append(np.bincount(tenth[pos], minlength=10) / np.bincount(tenth, minlength=10))
+    read_word, read_tenths = [], []
+    for w in weights.values():
+        doc = w[:, start : start + n]
+        doc = doc / doc.sum(axis=1, keepdims=True)
+        read_word.append(doc[:, words].sum(axis=1).mean())
+        read_tenths.append(np.stack([doc[:, tenth == t].sum(axis=1) for t in range(10)], axis=1).mean(axis=0))
+    return dict(kept_word_share=float(np.mean(word_share)), document_word_share=float(words.mean()),
+                reader_word_share=float(np.mean(read_word)), kept_by_tenth=np.mean(kept_tenths, axis=0).round(4).tolist(),
+                reader_by_tenth=np.mean(read_tenths, axis=0).round(4).tolist())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     choosing_half_options(ap, docs="0:3")
@@ -98,16 +130,18 @@ def main() -> None:
     model, tok = load_model(path)
     arms = args.arms.split(",")
     ev = Evaluator(model, tok, {a: CANDIDATES[a] for a in arms}, ratio=4.0, log=lambda _: None)
-    rows = []
+    rows, kinds = [], []
     for _, doc, key, depth in cases(tok, grid_docs(tok, args.docs, args.tokens, source="papers", held_out=False), [],
                                     args.tokens):
-        c = ev._document_case(doc, key, depth, 256)
+        c = ev.document_case(doc, key, depth, 256)
         (start, end), = c["spans"]
         kept = {arm: kept_positions(ev, arm, c) for arm in arms}
         weights = reader_attention(ev, c, set(kept[arms[0]]))
+        words = word_tokens(tok, c["prefix"], start, end)
         for arm in arms:
             for layer, row in shares(weights, kept[arm], start, end).items():
                 rows.append(dict(doc=doc.name, arm=arm, layer=layer, shares=[round(x, 4) for x in row]))
+            kinds.append(dict(doc=doc.name, arm=arm, **by_kind(weights, kept[arm], words, start)))
         print(f"{doc.name}: {end - start} document tokens, {len(c['human'])} abstract tokens", flush=True)
     first, second = arms
     by = {(r["doc"], r["arm"], r["layer"]): np.array(r["shares"]) for r in rows}
@@ -128,9 +162,19 @@ def main() -> None:
           f"(layer, head, paper) cases; mean difference {summary['mean_difference']:+.3f}; the worst-served "
           f"head of each group {summary['worst_head_of_group_mean_difference']:+.3f} "
           f"({summary['groups_whose_worst_head_is_worse']} of {summary['groups']} worse)")
+    for arm in arms:
+        mine = [k for k in kinds if k["arm"] == arm]
+        summary[f"by_kind_{arm}"] = {key: (np.mean([k[key] for k in mine], axis=0).round(4).tolist()
+                                          if isinstance(mine[0][key], list) else round(float(np.mean([k[key] for k in mine])), 4))
+                                    for key in mine[0] if key not in ("doc", "arm")}
+        k = summary[f"by_kind_{arm}"]
+        print(f"  {arm}: word tokens {k['kept_word_share']:.3f} of the kept document positions (the document "
+              f"{k['document_word_share']:.3f}; the reader's attention on them {k['reader_word_share']:.3f}); kept per "
+              f"tenth " + " ".join(f"{x:.2f}" for x in k["kept_by_tenth"]))
+    print("  the reader's attention per tenth " + " ".join(f"{x:.2f}" for x in summary[f"by_kind_{arms[0]}"]["reader_by_tenth"]))
     if args.out:
         meta = dict(model=args.model, docs=args.docs, tokens=args.tokens, arms=arms, ratio=4, out=args.out)
-        Path(args.out).write_text(json.dumps(dict(meta=meta, summary=summary, rows=rows), indent=1) + "\n")
+        Path(args.out).write_text(json.dumps(dict(meta=meta, summary=summary, rows=rows, kinds=kinds), indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -305,6 +305,7 @@ FIELD_VALUES = {
     "question_score": ("best", "best", "question_score", "best"),
     "carry": ("0.5", 0.5, "carry", 0.5),
     "spread": ("0.25", 0.25, "spread", 0.25),
+    "stratify": ("0.5", 0.5, "stratify", 0.5),
     "skip_layers": ("0,2", [0, 2], "skip_layers", [0, 2]),
     "layer_budgets": ("1:40", {"1": 40}, "layer_budgets", {"1": 40}),
     "early_factor": ("3", 3, "layer_budgets", {"0": 48, "1": 48}),

@@ -548,6 +548,34 @@ def test_spread_keeps_a_random_share_of_its_own_per_head_and_layer(salt):
     assert not np.array_equal(kept_positions(other), got)  # another layer draws other positions
 
 
+def test_stratify_keeps_each_stretchs_best_before_the_rest():
+    # Stratify(low, 0.5), budget 40, 3 sinks, 4 recent, 200 positions in one block: int(0.5 * 33) = 16 slots
+    # over stretches of 16 positions (the smallest power of two giving at most 16 stretches: 13 of them),
+    # 16 * 16 // 200 = 1 slot per whole stretch, 0 for the last 8 positions; then the lowest norms.
+    from knorm_gen.eviction.rules.norm import Low
+    from knorm_gen.eviction.rules.variants import Stratify
+
+    t, budget = 200, 40
+    # norms falling with position, at least 0.5% apart (exact in float32), each head its own order: the rule
+    # alone would keep the document's end
+    rng = np.random.default_rng(8)
+    norms = 1.0 + 0.01 * (t - np.arange(t))[None, :] + 0.005 * rng.integers(0, 2, size=(2, t))
+    dirs = rng.normal(size=(2, t, 8))
+    keys = (dirs / np.linalg.norm(dirs, axis=-1, keepdims=True) * norms[..., None]).astype(np.float32)[None]
+    cache = EvictionKVCache(budget, N_SINK, RECENT, Stratify(Low(), 0.5))
+    feed_keys(cache, keys, [t])
+    got = kept_positions(cache)
+    protected = set(range(N_SINK)) | set(range(t - RECENT, t))
+    norms = (keys[0].astype(np.float64) ** 2).sum(-1)
+    for h in range(2):
+        best = lambda ps: sorted(ps, key=lambda p: (norms[h, p], p))  # noqa: E731
+        strat = {best([p for p in range(16 * i, 16 * i + 16) if p not in protected])[0] for i in range(12)}
+        rest = best([p for p in range(t) if p not in protected | strat])
+        want = protected | strat | set(rest[: budget - len(protected) - len(strat)])
+        assert list(got[0, h]) == sorted(want), h
+        assert all(any(16 * i <= p < 16 * i + 16 for p in got[0, h]) for i in range(12))
+
+
 def test_variants_stack_on_any_rule_in_their_tiers():
     # Spread(Coverage(low)): the sinks and recent window, then coverage's stride (cover_slots(14, 0.25, 7)
     # = 3 slots: stride 16 over 48 positions, 0 being a sink), then half of what is left to the rule

@@ -664,7 +664,7 @@ def test_another_draw_gives_random_eviction_other_draws_and_the_same_ones_again(
     def draws(draw, name="paper:AER/AER"):
         ev = Evaluator.__new__(Evaluator)  # only the seeding is under test
         ev.draw = draw
-        ev._seed(name)
+        ev.seed(name)
         return mx.random.uniform(shape=(16,)).tolist()
 
     assert draws(0) == draws(0) and draws(1) == draws(1)  # each draw is reproducible

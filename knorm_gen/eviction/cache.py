@@ -291,7 +291,8 @@ class BatchEvictionKVCache(_BaseCache):
         # Named settings beside the arrays; a row saved as positional slots is read by the translator.
         keys, values, rank, free, rule_state, meta = (tuple(v[:5]) + (json.loads(v[5]),) if len(v) == 6 and
                                                       isinstance(v[5], str) else old_row_state(v))
-        rule = with_variants(make_rule(**saved_rule(meta)), meta.get("coverage", 0.0), meta.get("spread", 0.0))
+        rule = with_variants(make_rule(**saved_rule(meta)), meta.get("coverage", 0.0), meta.get("spread", 0.0),
+                             meta.get("stratify", 0.0))
         self._settings_from(meta["n_sink"], rule, meta.get("kv_bits"),
                             meta.get("kv_group_size", EvictionConfig.kv_group_size), meta.get("salt", 0))
         rows = len(meta["counts"])

@@ -402,6 +402,10 @@ class EvictionConfig:
     spread: float = _setting(
         0.0, "Share of each layer's rule slots kept for positions drawn at random, each KV head and layer its own "
         "(0 = none): what random eviction keeps, beside what the rule keeps.", metavar="SHARE")
+    stratify: float = _setting(
+        0.0, "Share of each layer's rule slots given out over stretches of the document, each stretch its share "
+        "by length, to the positions the rule ranks best within it (0 = none): no stretch is left bare.",
+        metavar="SHARE")
     early_keep: str = _setting(
         "auto", "Rule of the first 30% of the full-attention layers (at least two): auto = leverage under "
         "--keep blend (--preset intrinsic), else the --keep rule; or a rule name. --layer-keep overrides it per "
@@ -446,6 +450,7 @@ class EvictionConfig:
             raise ValueError(f"recent must be an integer, got {self.recent!r}")
         object.__setattr__(self, "coverage", check_coverage(self.coverage))
         object.__setattr__(self, "spread", _check_share(self.spread, "spread", 0.25))
+        object.__setattr__(self, "stratify", _check_share(self.stratify, "stratify", 0.5))
         self._check_rule_settings()
         object.__setattr__(self, "recent_share", check_recent_share(self.recent_share))
         check_rule(self.early_keep, "early_keep", auto=True)
@@ -488,8 +493,9 @@ class EvictionConfig:
             for key, value in cls.from_settings(values).settings().items():
                 object.__setattr__(self, key, value)
         carried = max((self.rule(r).carry for r in self.rules() if r in RULES), default=0.0)  # others: refused below
-        if carried + self.spread >= 1:
-            raise ValueError(f"carry + spread must be below 1 (got {carried} + {self.spread}): nothing would be left "
+        if carried + self.spread + self.stratify >= 1:
+            raise ValueError(f"carry + spread + stratify must be below 1 (got {carried} + {self.spread} + "
+                             f"{self.stratify}): nothing would be left "
                              f"for the rule to choose")
 
     def rule_settings(self) -> tuple[tuple[str, Any], ...]:
@@ -594,7 +600,8 @@ class EvictionConfig:
         rules = rules or None
         return ResolvedEviction(self.budget, self.n_sink, base_recent, self.keep, tuple(skip), budgets or None,
                                 n_layers, full, tuple(plan), self.coverage, self.kv_bits, self.kv_group_size, rules,
-                                self.rule_settings(), self.spread, self.ratio, self.recent_share, self.recent)
+                                self.rule_settings(), self.spread, self.ratio, self.recent_share, self.recent,
+                                self.stratify)
 
     def to_dict(self) -> dict:
         """JSON-ready: ``skip_layers`` as a list (or None); ``layer_budgets`` and
@@ -629,12 +636,14 @@ class EvictionConfig:
                 d.pop(key)
         if not self.spread:
             d.pop("spread")
+        if not self.stratify:
+            d.pop("stratify")
         return d
 
     def __hash__(self) -> int:
         return hash((self.budget, self.n_sink, self.recent, self.keep, self.skip_layers,
                      tuple(sorted((self.layer_budgets or {}).items())), self.early_factor, self.coverage,
-                     self.recent_share, self.early_rule(), self.rule_settings(), self.spread,
+                     self.recent_share, self.early_rule(), self.rule_settings(), self.spread, self.stratify,
                      self.kv_bits, self.kv_group_size, tuple(sorted((self.layer_keep or {}).items()))))
 
 
@@ -665,6 +674,7 @@ class ResolvedEviction:
     ratio: Optional[float] = None
     recent_share: float = OLD_RECENT_SHARE
     fixed_recent: Optional[int] = None  # recent as the user gave it (None: recent_share of each budget)
+    stratify: float = 0.0
 
     @property
     def sized(self) -> bool:
@@ -708,7 +718,8 @@ class ResolvedEviction:
     def rule_of(self, layer: int) -> Rule:
         """The rule object of ``layer``, with its settings, wrapped by the variants this layout sets
         (:func:`~knorm_gen.eviction.rules.variants.with_variants`)."""
-        return with_variants(make_rule(self.keep_of(layer), **dict(self.rule_settings)), self.coverage, self.spread)
+        return with_variants(make_rule(self.keep_of(layer), **dict(self.rule_settings)), self.coverage, self.spread,
+                             self.stratify)
 
     def to_dict(self) -> dict:
         """The ``config`` records and results report (the same keys as ever:
@@ -727,6 +738,8 @@ class ResolvedEviction:
             d.update(make_rule(name, **dict(self.rule_settings)).settings())
         if self.spread:
             d["spread"] = self.spread
+        if self.stratify:
+            d["stratify"] = self.stratify
         if self.ratio is not None:  # each row's budget follows its document: the settings that decide it
             d["ratio"], d["recent"] = self.ratio, self.fixed_recent
             if self.fixed_recent is None:
@@ -735,7 +748,7 @@ class ResolvedEviction:
 
     def __hash__(self) -> int:
         return hash((self.n_sink, self.keep, self.layers, self.coverage, self.kv_bits, self.kv_group_size,
-                     tuple(sorted((self.layer_keep or {}).items())), self.rule_settings, self.spread))
+                     tuple(sorted((self.layer_keep or {}).items())), self.rule_settings, self.spread, self.stratify))
 
 
 # ---- generation ----------------------------------------------------------------
@@ -898,22 +911,25 @@ DEFAULT_QUESTION_SEPARATOR = GenerationConfig.question_separator
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": dict(recent_share=RECENT_SHARE, keep="question", question_score="mean", carry=0.25, early_keep="auto",
-                    skip_layers=(), early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None, spread=0.0),
+                    skip_layers=(), early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None, spread=0.0,
+                    stratify=0.0),
     "paper": dict(recent_share=OLD_RECENT_SHARE, keep="low", early_keep="auto", skip_layers=(0, 1),
-                  early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None, spread=0.0),
+                  early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None, spread=0.0, stratify=0.0),
     "retrieval": dict(recent_share=OLD_RECENT_SHARE, keep="low", early_keep="auto", skip_layers=None,
-                      early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None, spread=0.0),
+                      early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None, spread=0.0,
+                      stratify=0.0),
     "summarize": dict(recent_share=OLD_RECENT_SHARE, keep="keydiff", early_keep="auto", skip_layers=(),
-                      early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None, spread=0.0),
+                      early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None, spread=0.0,
+                      stratify=0.0),
     "question": dict(recent_share=OLD_RECENT_SHARE, keep="question", question_score="best", carry=0.0,
                      early_keep="auto", skip_layers=(), early_factor=None, layer_budgets=None, coverage=0.0,
-                     layer_keep=None, spread=0.0),
+                     layer_keep=None, spread=0.0, stratify=0.0),
     "intrinsic": dict(recent_share=0.5, keep="blend", early_keep="auto", skip_layers=(), early_factor=None,
-                      layer_budgets=None, coverage=0.25, layer_keep=None, spread=0.0),
+                      layer_budgets=None, coverage=0.25, layer_keep=None, spread=0.0, stratify=0.0),
     "auto": {},  # the model's saved tuning: resolved once the model is loaded (knorm_gen.generation.tunings.auto_config)
 }
-LAYOUT_FIELDS = ("keep", "question_score", "carry", "spread", "early_keep", "coverage", "recent_share", "skip_layers",
-                 "layer_budgets", "early_factor", "layer_keep")
+LAYOUT_FIELDS = ("keep", "question_score", "carry", "spread", "stratify", "early_keep", "coverage", "recent_share",
+                 "skip_layers", "layer_budgets", "early_factor", "layer_keep")
 """The fields a layout (a preset, a saved tuning) sets; the budget and the rest are the run's.
 
 Named layouts (``--preset``, ``preset=``; the fields given beside a preset override it):

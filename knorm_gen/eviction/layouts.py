@@ -21,6 +21,8 @@ CANDIDATES: dict[str, dict] = {
     "spread70": _layout("default", spread=0.7),
     "spread75": _layout("default", carry=0.0, spread=0.75),
     "spread90": _layout("default", carry=0.0, spread=0.9),
+    "stratify50": _layout("default", stratify=0.5),
+    "stratify70": _layout("default", stratify=0.7),
     "best": _layout("default", question_score="best"),
     "per_query": _layout("default", question_score="per_query"),
     # the other presets, and their rules alone in every layer at the default's recent quarter

@@ -27,7 +27,7 @@ PROTECTED = -(1 << 63)
 # lowest finite float32, -inf, packs to about -(2**31 - 2**23) << 32).
 COVERED = PROTECTED + (1 << 34)
 CARRIED_TIER = COVERED + (1 << 33)
-SPREAD_TIER = CARRIED_TIER + (1 << 32)  # positions drawn per head (spread_tier), after the carried ones
+SPREAD_TIER = CARRIED_TIER + (1 << 32)  # positions spread_tier or stratify_tier promote, after the carried ones
 _SCORED = CARRIED_TIER + (1 << 33)  # every rank at or above it packs a real score
 PAD = (1 << 63) - 1
 STEP = 256  # buffers grow in steps of this many slots (as mlx_lm's KVCache does)
@@ -267,3 +267,56 @@ def spread_tier(key: mx.array, slots: Sequence[int], salt: int) -> mx.array:
     # 24 bits of the priority: exact in the float32 a rank packs
     value = -mx.right_shift(spread_priority(pos, salt), 7).astype(mx.float32)
     return _promote(key, pos, value, scored(key), slots, SPREAD_TIER)
+
+
+# ---- stratify: a share of each head's slots given out over stretches of the positions seen -----
+
+STRETCHES = 16
+"""The most stretches :func:`stratify_tier` splits the positions seen into."""
+
+
+def stretch_width(seen: int, stretches: int = STRETCHES) -> int:
+    """The smallest power of two ``w`` with at most ``stretches`` stretches of ``w`` positions
+    below ``seen``: as ``seen`` grows the width doubles, so a stretch is always a union of
+    earlier ones."""
+    w = 1
+    while -(-seen // w) > stretches:
+        w *= 2
+    return w
+
+
+def stretch_quotas(seen: int, slots: int, stretches: int = STRETCHES) -> list[int]:
+    """Slots each stretch of :func:`stretch_width` gets of ``slots``: its share of the positions
+    seen, rounded down (a partial last stretch gets its part)."""
+    if seen <= 0:
+        return [0] * stretches
+    w = stretch_width(seen, stretches)
+    lengths = [max(0, min(w, seen - i * w)) for i in range(stretches)]
+    return [slots * n // seen for n in lengths]
+
+
+def stratify_tier(key: mx.array, seen: Sequence[int], slots: Sequence[int],
+                  stretches: int = STRETCHES) -> mx.array:
+    """``key`` with, per (row, head) and per stretch of the positions seen (:func:`stretch_width`),
+    the stretch's quota (:func:`stretch_quotas` of ``slots[b]``) of its best-ranked scored
+    positions moved to the tier after carry: each stretch of the document keeps its share of
+    what the rule would keep there, so no stretch is left bare because another scores higher."""
+    if max(slots, default=0) <= 0:
+        return key
+    pos = rank_positions(key)
+    width = mx.array([stretch_width(s, stretches) for s in seen], dtype=mx.int64).reshape(-1, 1, 1)
+    stretch = mx.minimum(pos.astype(mx.int64) // width, stretches - 1).astype(mx.int32)
+    eligible = scored(key)
+    order = mx.argsort(mx.where(eligible, key, PAD), axis=-1)  # best first within the row and head
+    s_sorted = mx.take_along_axis(stretch, order, axis=-1)
+    e_sorted = mx.take_along_axis(eligible, order, axis=-1)
+    onehot = mx.logical_and(s_sorted[..., None] == mx.arange(stretches, dtype=mx.int32), e_sorted[..., None])
+    onehot = onehot.astype(mx.int32)
+    within = mx.sum(mx.cumsum(onehot, axis=-2) * onehot, axis=-1) - 1  # rank inside its stretch
+    quota = mx.array([stretch_quotas(s, n, stretches) for s, n in zip(seen, slots)], dtype=mx.int32)  # (B, S)
+    q_sorted = mx.take_along_axis(mx.broadcast_to(quota[:, None, :], key.shape[:2] + (stretches,)),
+                                  s_sorted, axis=-1)
+    chosen = mx.logical_and(e_sorted, within < q_sorted)
+    at = mx.take_along_axis(pos, order, axis=-1).astype(mx.int64)
+    was = mx.take_along_axis(key, order, axis=-1)
+    return mx.put_along_axis(key, order, mx.where(chosen, SPREAD_TIER + at, was), axis=-1)

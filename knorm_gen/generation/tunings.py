@@ -78,10 +78,10 @@ def saved_layout(saved: dict) -> dict:
     ``early_keep``, its rule in every layer; before ``question_score`` and ``carry``, a
     plain ``keep="question"`` was the best reading without carry (an old rule name,
     ``question_carry`` and the like, as :func:`~knorm_gen.eviction.legacy.current_settings`
-    reads it); before ``spread``, none."""
+    reads it); before ``spread`` and ``stratify``, none."""
     layout = current_settings(saved["layout"])
     old_rule = "blend" if layout.get("keep") == "blend" else "auto"  # auto: the blend alone gets leverage
-    then = {"recent_share": OLD_RECENT_SHARE, "early_keep": old_rule, "spread": 0.0}
+    then = {"recent_share": OLD_RECENT_SHARE, "early_keep": old_rule, "spread": 0.0, "stratify": 0.0}
     if layout.get("keep") == "question":
         then.update(question_score="best", carry=0.0)
     out = {**then, **layout}

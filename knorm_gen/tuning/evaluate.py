@@ -175,7 +175,7 @@ class Evaluator:
             caches = probe_caches(caches, self.model, self.tok, ids, spans, questions)
         return caches
 
-    def _seed(self, name: str) -> None:
+    def seed(self, name: str) -> None:
         """Seed the random arms: the same draws per document, another set per ``draw``."""
         if not self.draw:
             mx.random.seed(int.from_bytes(name.encode()[:8], "little") % (2**31))
@@ -196,7 +196,7 @@ class Evaluator:
                    budget: int) -> tuple[str, list]:
         """The greedy answer (16 tokens) to ``q_ids`` after ``prefix`` is prefilled under
         ``arm`` (seeded by ``seed``), and the caches it was answered from."""
-        self._seed(seed)
+        self.seed(seed)
         caches = prefill(self.model, prefix, self.caches(arm, budget, spans, prefix, [q_ids]), self.step)
         return self.tok.decode(greedy_ids(self.model, self.tok, q_ids, caches, 16)), caches
 
@@ -218,11 +218,11 @@ class Evaluator:
             if "ctq" in modes:
                 answers["ctq"] = self.ctq_answer(arm, name + key, prefix, q_ids, spans, budget)[0]
             if "whole" in modes:  # the whole prompt evictable: a question-aware arm probes its end
-                self._seed(name + key)
+                self.seed(name + key)
                 caches = prefill(model, whole[:-1], self.caches(arm, budget, ids=whole), self.step)
                 answers["whole"] = tok.decode(greedy_ids(model, tok, whole[-1:], caches, 16))
             if "prompt" in modes:  # the whole prompt as generate_with_eviction encodes and pins it
-                self._seed(name + key)
+                self.seed(name + key)
                 ids, spans = product_prompt(tok, context + DEFAULT_QUESTION_SEPARATOR + question, self.chat,
                                             self.config(arm, budget) if arm != "full" else None)
                 caches = prefill(model, ids[:-1], self.caches(arm, budget, spans, ids), self.step)
@@ -243,7 +243,7 @@ class Evaluator:
         rest of the prompt follows; then a pinned copy is asked the summary question
         (teacher-forced on the full cache's own summary, and on ``doc.summary`` where there is
         one) and the original the pass-key question."""
-        case = self._document_case(doc, key, depth, tail)
+        case = self.document_case(doc, key, depth, tail)
         rows: list[dict] = []
         refs: dict[str, list[int]] = {}
         for arm in ["full", *self.arms]:
@@ -252,13 +252,17 @@ class Evaluator:
                 refs, full = cached
                 rows += full
                 continue
-            self._seed(doc.name + key)
+            self.seed(doc.name + key)
             rows += self._document_arm(arm, case, refs, max_tokens)
             if arm == "full":
                 self.full_rows["document", doc.name, key, depth, len(doc.text)] = (refs, list(rows))
         return rows
 
-    def _document_case(self, doc: Doc, key: str, depth: float, tail: int) -> dict:
+    def document_case(self, doc: Doc, key: str, depth: float, tail: int) -> dict:
+        """One paper or document as the grid measures it: ``doc`` with the pass key ``key`` at ``depth``,
+        its prompt ids (``prefix``), the summary and key questions' ids, the document's spans, the
+        perplexity tail's cut (``tail`` tokens at most), the budget at this evaluator's ratio and the
+        human-written summary's ids (None without one)."""
         text = with_needle(doc.text, depth, key)
         key_question = KEY_QUESTION if self.chat else KEY_CUE
         prefix, (sum_q, key_q) = split_question_prompts(self.tok, text, [SUMMARY_QUESTION, key_question],
@@ -271,7 +275,7 @@ class Evaluator:
                     human=human, doc_tokens=end - start)
 
     def prefill_case(self, arm: str, c: dict) -> tuple[list, float]:
-        """``arm``'s caches with a case's whole prompt read (:meth:`_document_case`): the document's
+        """``arm``'s caches with a case's whole prompt read (:meth:`document_case`): the document's
         head prefilled, its last tokens fed as one block, then the rest; and that block's NLL."""
         model, prefix, cut, end = self.model, c["prefix"], c["cut"], c["end"]
         caches = prefill(model, prefix[: cut - 1], self.caches(arm, c["budget"], c["spans"], prefix,

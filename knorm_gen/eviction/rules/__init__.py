@@ -13,8 +13,8 @@ fields (:func:`~knorm_gen.eviction.rules.base.setting`), which become config fie
 job-file keys and record keys by themselves. ``tests/test_rules.py`` runs the shared tests
 over every entry; its numpy reference for the new rule is the third file.
 
-:mod:`.variants` (imported from there) wraps any rule: ``Coverage(rule, share)`` and ``Spread(rule, share)`` give a share
-of its slots to positions its scores did not choose (the config fields ``coverage`` and ``spread``).
+:mod:`.variants` (imported from there) wraps any rule: ``Coverage(rule, share)``, ``Stratify(rule, share)``
+and ``Spread(rule, share)`` set a share of its slots apart (the config fields of those names).
 """
 
 from __future__ import annotations

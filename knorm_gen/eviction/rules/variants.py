@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Optional, Sequence
 
 import mlx.core as mx
 
-from ..selection import carry_slots, cover, cover_slots, spread_tier
+from ..selection import carry_slots, cover, cover_slots, spread_tier, stratify_tier
 from .base import Rule
 
 
@@ -139,14 +139,33 @@ class Spread(Variant):
         return spread_tier(key, slots, salt)
 
 
-VARIANTS: dict[str, type[Variant]] = {cls.key: cls for cls in (Coverage, Spread)}
+@dataclass(frozen=True, eq=True)
+class Stratify(Variant):
+    """``share`` of the rule's slots (beside the sinks, the recent window and coverage) given out
+    over stretches of the positions seen, each stretch its share by length, to the positions the
+    rule ranks best within it (:func:`~knorm_gen.eviction.selection.stratify_tier`): the rule still
+    chooses, but no stretch of the document is left bare because another scores higher."""
+
+    key: ClassVar[str] = "stratify"
+    after_carry: ClassVar[bool] = True
+
+    def slots(self, budget: int, reserved: int) -> int:
+        return carry_slots(budget, self.share, reserved)
+
+    def mark(self, key: mx.array, seen: Sequence[int], slots: Sequence[int], salt: int) -> mx.array:
+        return stratify_tier(key, seen, slots)
+
+
+VARIANTS: dict[str, type[Variant]] = {cls.key: cls for cls in (Coverage, Stratify, Spread)}
 """Every variant by the key of its share."""
 
 
-def with_variants(rule: Rule, coverage: float = 0.0, spread: float = 0.0) -> Rule:
+def with_variants(rule: Rule, coverage: float = 0.0, spread: float = 0.0, stratify: float = 0.0) -> Rule:
     """``rule`` wrapped by each variant whose share is above 0 (none: ``rule`` itself)."""
     if coverage:
         rule = Coverage(rule, coverage)
+    if stratify:
+        rule = Stratify(rule, stratify)
     if spread:
         rule = Spread(rule, spread)
     return rule
