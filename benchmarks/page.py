@@ -34,7 +34,9 @@ MODELS = {"smollm2": "SmolLM2-135M-Instruct (the embedded model)", "gemma3": "Ge
 NAMES = {"full": "full cache", "default": "**default**", "random": "random eviction", "paper": "`--preset paper` (L2Norm)",
          "low": "keep-low, every layer", "no_carry": "default, `carry=0`", "spread25": "default, `spread=0.25`",
          "spread50": "default, `spread=0.5`", "spread70": "default, `spread=0.7`",
-         "spread75": "default, `carry=0, spread=0.75`", "spread90": "default, `carry=0, spread=0.9`", "recent": "sliding window (`keep=recent`)"}
+         "spread75": "default, `carry=0, spread=0.75`", "spread90": "default, `carry=0, spread=0.9`",
+         "stratify50": "default, `stratify=0.5`", "stratify70": "default, `stratify=0.7`",
+         "recent": "sliding window (`keep=recent`)"}
 
 
 def load(name: str) -> dict:

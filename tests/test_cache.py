@@ -466,16 +466,16 @@ def test_the_default_bounds_every_layer_with_the_question_rule_and_the_blend_pai
     from knorm_gen.eviction.rules.keydiff import Blend
     from knorm_gen.eviction.rules.leverage import Leverage
     from knorm_gen.eviction.rules.question import Question
-    from knorm_gen.eviction.rules.variants import Coverage
+    from knorm_gen.eviction.rules.variants import Coverage, Stratify
 
     config = EvictionConfig(budget=8)
-    assert (config.keep, config.question_score, config.carry, config.early_keep, config.coverage,
-            config.skip_layers) == ("question", "mean", 0.25, "auto", 0.0, ())
+    assert (config.keep, config.question_score, config.carry, config.stratify, config.early_keep, config.coverage,
+            config.skip_layers) == ("question", "mean", 0.25, 0.7, "auto", 0.0, ())
     model = tiny_llama(layers=10)
     caches = make_eviction_cache(model, config)
-    # every layer the question rule, no coverage, a quarter of the budget recent: int(0.25 * 8)
-    assert all(isinstance(c, EvictionKVCache) and c.rule == Question(reading="mean", carry=0.25)
-               and c.rule.variants() == () and c.recent == 2 for c in caches)
+    # every layer the question rule stratified, no coverage, a quarter of the budget recent: int(0.25 * 8)
+    assert all(isinstance(c, EvictionKVCache) and c.rule == Stratify(Question(reading="mean", carry=0.25), 0.7)
+               and c.recent == 2 for c in caches)
     # --preset intrinsic: 30% of 10 layers, counted by hand, take leverage, the other seven the blend
     intrinsic = make_eviction_cache(model, EvictionConfig(budget=8, keep="blend", coverage=0.25))
     assert [c.keep for c in intrinsic] == ["leverage"] * 3 + ["blend"] * 7

@@ -1,7 +1,9 @@
-"""Today's default layout, expressed with the question rule's settings, keeps exactly the
-positions the default kept when it was a rule name of its own (an old name the translator reads):
-positions saved from the product path of commit 7857212 on fixed prompts, both models
-(tests/data/default_kept_*.json; Gemma 3's test is in test_gemma.py, beside its fixture)."""
+"""The default of 0.13 and 0.14 (today's default without its stratified share, ``stratify=0``),
+expressed with the question rule's settings, keeps exactly the positions it kept when it was a rule
+name of its own (an old name the translator reads): positions saved from the product path of commit
+7857212 on fixed prompts, both models (tests/data/default_kept_*.json; Gemma 3's test is in
+test_gemma.py, beside its fixture). Today's default, on the same path, gives every stretch of the
+document its share, counted here from the kept positions."""
 
 import json
 from pathlib import Path
@@ -22,11 +24,12 @@ QUESTION = "Summarize the documentation above in three sentences."
 AGREE = 0.99  # of every (layer, head, position) kept; below it a real change, above it a near-tie or two (DESIGN 4)
 
 
-def kept_by_the_default(model, tok) -> list[dict]:
+def kept_by_the_default(model, tok, **layout) -> list[dict]:
     """Per case of :data:`CASES`, the kept positions of every compressed layer and head, as the
-    product prefills that kind of row at budget 128."""
+    product prefills that kind of row at budget 128 (the default of 0.13 unless ``layout`` says
+    otherwise)."""
     texts = dict(pydoc_sections())
-    eviction = EvictionConfig(budget=128).for_model(model)
+    eviction = EvictionConfig(budget=128, **({"stratify": 0.0} | layout)).for_model(model)
     engine = BatchEngine(model, tok, eviction, batch_size=1)
     out = []
     for kind, name in CASES:
@@ -40,7 +43,7 @@ def kept_by_the_default(model, tok) -> list[dict]:
                                  GenerationConfig(max_tokens=8))
             caches = engine.probed_caches(req.eviction, req.ids, req.spans)
             prefill(model, req.ids[:-1], caches, 512)
-        out.append({"kind": kind, "name": name, "kept": _kept(caches)})
+        out.append({"kind": kind, "name": name, "kept": _kept(caches), "seen": caches[0].offset})
     return out
 
 
@@ -71,3 +74,24 @@ def smollm2():
 
 def test_the_default_keeps_what_it_kept_as_a_rule_name_on_smollm2(smollm2):
     assert_same_as_saved(kept_by_the_default(*smollm2), "smollm2")
+
+
+def test_the_default_gives_every_stretch_of_the_document_its_share(smollm2):
+    # Budget 128: 4 sinks, a recent quarter (32), so 92 rule slots, 0.7 of them (64) given out over
+    # stretches of the positions seen: the smallest power-of-two width giving at most 16 stretches.
+    # Each whole stretch keeps at least its share (64 * width // seen) in every layer and head; the
+    # unstratified layout, on the same rows, leaves some stretch below it.
+    def short_stretches(cases):
+        short = 0
+        for case in cases:
+            seen = case["seen"]
+            width = next(w for w in (2 ** k for k in range(16)) if -(-seen // w) <= 16)
+            share = 64 * width // seen
+            for heads in case["kept"].values():
+                for kept in heads:
+                    counts = [sum(1 for p in kept if i * width <= p < (i + 1) * width) for i in range(seen // width)]
+                    short += sum(c < share for c in counts)
+        return short
+
+    assert short_stretches(kept_by_the_default(*smollm2, stratify=0.7)) == 0
+    assert short_stretches(kept_by_the_default(*smollm2)) > 0

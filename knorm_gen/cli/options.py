@@ -84,7 +84,8 @@ class _Parsed(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
-_TYPES = {"int": click.INT, "Optional[int]": click.INT, "float": click.FLOAT, "str": click.STRING,
+_TYPES = {"int": click.INT, "Optional[int]": click.INT, "float": click.FLOAT, "Optional[float]": click.FLOAT,
+          "str": click.STRING,
           "Optional[str]": click.STRING, "tuple[str, ...]": click.STRING}
 
 

@@ -41,6 +41,9 @@ def early_layers(n_layers: int, full_layers: Optional[Sequence[int]] = None) -> 
 
 
 RECENT_SHARE = 0.25
+DEFAULT_STRATIFY = 0.7
+"""``stratify`` where it is not given and the rule is the question rule (given by name): seven tenths of
+each layer's rule slots given out over stretches of the document (docs/history.md says how it was chosen)."""
 """The default ``recent_share``: a quarter of each budget holds the most recent tokens,
 beside the question rule. Of the three splits measured for that rule (a quarter, an
 eighth, a half), the quarter kept random eviction's summary fidelity on both models held
@@ -368,8 +371,10 @@ class EvictionConfig:
     (``keep="question"``: the instructions after the document are probed before it is
     read, :mod:`knorm_gen.eviction.rules.question`; ``question_score="mean"``), with a quarter of
     each later layer's rule slots carried from what the layers before it scored best
-    (``carry=0.25``, :mod:`knorm_gen.eviction.carry`) and a quarter of each budget holding the most
-    recent tokens (``recent_share=0.25``). docs/results.md measures it; docs/history.md
+    (``carry=0.25``, :mod:`knorm_gen.eviction.carry`), seven tenths of them given out over stretches
+    of the document, each stretch its share by length, to what the rule ranks best there
+    (``stratify=0.7``, :class:`~knorm_gen.eviction.rules.variants.Stratify`), and a quarter of each
+    budget holding the most recent tokens (``recent_share=0.25``). docs/results.md measures it; docs/history.md
     says how it was chosen. A cache that is never probed (a plain mlx_lm loop without
     :func:`~knorm_gen.eviction.cache.probe_caches`) ranks by the key norm and warns.
 
@@ -402,10 +407,10 @@ class EvictionConfig:
     spread: float = _setting(
         0.0, "Share of each layer's rule slots kept for positions drawn at random, each KV head and layer its own "
         "(0 = none): what random eviction keeps, beside what the rule keeps.", metavar="SHARE")
-    stratify: float = _setting(
-        0.0, "Share of each layer's rule slots given out over stretches of the document, each stretch its share "
+    stratify: Optional[float] = _setting(
+        None, "Share of each layer's rule slots given out over stretches of the document, each stretch its share "
         "by length, to the positions the rule ranks best within it (0 = none): no stretch is left bare.",
-        metavar="SHARE")
+        metavar="SHARE", default_text=f"{DEFAULT_STRATIFY} with --keep question, else 0")
     early_keep: str = _setting(
         "auto", "Rule of the first 30% of the full-attention layers (at least two): auto = leverage under "
         "--keep blend (--preset intrinsic), else the --keep rule; or a rule name. --layer-keep overrides it per "
@@ -450,6 +455,9 @@ class EvictionConfig:
             raise ValueError(f"recent must be an integer, got {self.recent!r}")
         object.__setattr__(self, "coverage", check_coverage(self.coverage))
         object.__setattr__(self, "spread", _check_share(self.spread, "spread", 0.25))
+        if self.stratify is None:  # a rule object is what runs: its own variants only
+            by_name = not isinstance(self.keep, Rule) and self.keep == "question"
+            object.__setattr__(self, "stratify", DEFAULT_STRATIFY if by_name else 0.0)
         object.__setattr__(self, "stratify", _check_share(self.stratify, "stratify", 0.5))
         self._check_rule_settings()
         object.__setattr__(self, "recent_share", check_recent_share(self.recent_share))
@@ -912,7 +920,7 @@ DEFAULT_QUESTION_SEPARATOR = GenerationConfig.question_separator
 PRESETS: dict[str, dict[str, Any]] = {
     "default": dict(recent_share=RECENT_SHARE, keep="question", question_score="mean", carry=0.25, early_keep="auto",
                     skip_layers=(), early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None, spread=0.0,
-                    stratify=0.0),
+                    stratify=None),
     "paper": dict(recent_share=OLD_RECENT_SHARE, keep="low", early_keep="auto", skip_layers=(0, 1),
                   early_factor=None, layer_budgets=None, coverage=0.0, layer_keep=None, spread=0.0, stratify=0.0),
     "retrieval": dict(recent_share=OLD_RECENT_SHARE, keep="low", early_keep="auto", skip_layers=None,
@@ -934,7 +942,9 @@ LAYOUT_FIELDS = ("keep", "question_score", "carry", "spread", "stratify", "early
 
 Named layouts (``--preset``, ``preset=``; the fields given beside a preset override it):
 ``default``: the default layout (the question rule in every layer, the mean reading,
-carrying a quarter, the recent quarter). ``paper``: the paper's rule and layers (keep-low,
+carrying a quarter, seven tenths of its slots stratified, the recent quarter; ``stratify`` left
+unset means 0.7 under the question rule and 0 under any other, so the default's form with another
+``keep`` is that rule alone). ``paper``: the paper's rule and layers (keep-low,
 layers 0-1 uncompressed, so their memory grows with the input). ``retrieval``: keep-low with
 the first 30% of the full-attention layers uncompressed (memory grows with the input).
 ``summarize``: KeyDiff in every layer, every layer bounded. ``question``: the question rule

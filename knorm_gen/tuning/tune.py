@@ -34,13 +34,15 @@ from .evaluate import (
     tuning_cases,
 )
 
-TUNE_ARMS = ("default", "spread25", "no_carry", "intrinsic", "low", "keydiff", "random")
+TUNE_ARMS = ("default", "unstratified", "spread25", "intrinsic", "low", "keydiff", "random")
 """What ``knorm-tune`` measures by default (``--arms`` for the others of :data:`CANDIDATES`):
-the default layout, the default with a quarter of its rule slots drawn at random
-(``spread25``) and without carry, ``--preset intrinsic`` (no probe), keep-low and KeyDiff
-in every layer at the default's recent quarter, and random eviction as the control."""
-QUICK_ARMS = ("default", "spread25", "random")
-"""``--quick`` and ``knorm-batch --calibrate``: the default, its spread form, and the control."""
+the default layout, the default without its stratified share (``unstratified``, the default
+until 0.14) and that layout with a quarter of its rule slots drawn at random (``spread25``),
+``--preset intrinsic`` (no probe), keep-low and KeyDiff in every layer at the default's recent
+quarter, and random eviction as the control."""
+QUICK_ARMS = ("default", "unstratified", "random")
+"""``--quick`` and ``knorm-batch --calibrate``: the default, the default without its stratified
+share, and the control."""
 JOBS = ("summarize", "retrieve", "both")
 KEYS_TARGET = 0.9  # at least this share of the full cache's pass keys
 FIDELITY_SLACK = 0.02  # and summary fidelity no more than this below random eviction's
