@@ -76,7 +76,7 @@ from documents import documents  # noqa: E402
 RATIO = 4.0
 STEP = 512  # the product's prefill_step_size, used by every arm (mlx_lm's batch_generate too)
 PROMPT_TAIL = "\n\nSummarize the text above."
-ARMS = ("full", "default", "paper", "low", "random")
+ARMS = ("full", "default", "unstratified", "paper", "low", "random")
 GiB = 1e9  # the "GB" of mx.get_peak_memory() / 1e9, as GenerationResult.peak_memory_gb
 
 FULL = dict(lengths={"1k": 1024, "2k": 2048, "8k": 7600}, decode_tokens=32,

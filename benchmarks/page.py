@@ -35,8 +35,15 @@ NAMES = {"full": "full cache", "default": "**default**", "random": "random evict
          "low": "keep-low, every layer", "no_carry": "default, `carry=0`", "spread25": "default, `spread=0.25`",
          "spread50": "default, `spread=0.5`", "spread70": "default, `spread=0.7`",
          "spread75": "default, `carry=0, spread=0.75`", "spread90": "default, `carry=0, spread=0.9`",
-         "stratify50": "default, `stratify=0.5`", "stratify70": "default, `stratify=0.7`",
+         "stratify50": "default of 0.14, `stratify=0.5`",
+         "unstratified": "default of 0.13 (`stratify=0`)",
          "recent": "sliding window (`keep=recent`)"}
+
+
+def default_arm(rows: list[dict]) -> str:
+    """``default`` where today's default was measured, else ``unstratified`` (the default of 0.13
+    and 0.14, which the older files measured)."""
+    return "default" if any(r["arm"] == "default" for r in rows) else "unstratified"
 
 
 def load(name: str) -> dict:
@@ -101,7 +108,7 @@ def compression_table(model: str) -> str:
     own = kv_bytes(rows_at(parts[0], 4.0), "full")
     for ratio in sorted({float(r) for p in parts for r in p["meta"]["ratios"]}):
         rows = [r for p in parts for r in rows_at(p, ratio)]
-        arms = [a for a in ("default", "random", "paper") if any(r["arm"] == a for r in rows)]
+        arms = [a for a in ("default", "unstratified", "random", "paper") if any(r["arm"] == a for r in rows)]
         table = summarize(rows, ["full", *arms])
         for arm in arms:
             t = table[arm]
@@ -122,11 +129,13 @@ def compact_table(model: str) -> str:
              "KV per row, MiB (saving) |", "|---|---|---|---|---|"]
     for ratio in sorted({float(r) for p in parts for r in p["meta"]["ratios"]}):
         rows = [r for p in parts for r in rows_at(p, ratio)]
-        table = summarize(rows, ["full", "default", "random"])
-        t, r = table["default"], table["random"]
-        lines.append(f"| {ratio:g}x | {_pct(t['recovered'])} ({_pct(r['recovered'])}) | {interval(t)} | "
+        arm = default_arm(rows)
+        table = summarize(rows, ["full", arm, "random"])
+        t, r = table[arm], table["random"]
+        label = f"{ratio:g}x" + ("" if arm == "default" else " (the default of 0.13)")
+        lines.append(f"| {label} | {_pct(t['recovered'])} ({_pct(r['recovered'])}) | {interval(t)} | "
                      f"{t['keys_of_full']}/{t['full_keys']} ({r['keys_of_full']}/{r['full_keys']}) | "
-                     f"{kv_mib(rows, 'default', own)} |")
+                     f"{kv_mib(rows, arm, own)} |")
     lines.append(f"| 1x, the model's own cache | 100% | - | (all) | {kv_mib(rows_at(parts[0], 4.0), 'full')} |")
     return "\n".join(lines)
 
@@ -178,6 +187,23 @@ def papers_table() -> str:
     return "\n".join(lines) + "\n\n" + command(*names)
 
 
+def readme_papers_table() -> str:
+    """README's table of the held-out papers: per model, the default's share of the authors' abstract
+    kept, against random eviction (with its interval) and the sliding window, and the pass keys."""
+    lines = ["| model | papers | abstract kept: default (random, window) | default vs random, points (95% interval) | "
+             "facts found: default (random) |", "|---|---|---|---|---|"]
+    for m, label in PAPER_MODELS.items():
+        if not (RESULTS / f"grid-{m}-papers-2k.json").exists():
+            continue
+        rows = rows_at(load(f"grid-{m}-papers-2k.json"), 4.0)
+        human = summarize(rows, ["full", "default", "random", "recent"], "fidelity_human")
+        d, r, w = human["default"], human["random"], human["recent"]
+        lines.append(f"| {label} | {d['human_docs']} | {_pct(d['recovered'])} ({_pct(r['recovered'])}, "
+                     f"{_pct(w['recovered'])}) | {interval(d)} | {d['keys_of_full']}/{d['full_keys']} "
+                     f"({r['keys_of_full']}/{r['full_keys']}) |")
+    return "\n".join(lines)
+
+
 LENGTHS = {"smollm2": [("1,024", "grid-smollm2-1k.json"), ("2,048", "grid-smollm2-2k-candidates.json"),
                        ("4,096", "grid-smollm2-4k.json"), ("7,600", "grid-smollm2-7600.json")],
            "gemma3": [("1,024", "grid-gemma3-1k.json"), ("2,048", "grid-gemma3-2k-candidates.json"),
@@ -196,8 +222,10 @@ def length_table(model: str) -> str:
             continue
         names.append(name)
         result = json.loads(path.read_text())
-        table = summarize(rows_at(result, 4.0), ["full", "default", "random"])
-        t, r = table["default"], table["random"]
+        arm = default_arm(rows_at(result, 4.0))
+        table = summarize(rows_at(result, 4.0), ["full", arm, "random"])
+        t, r = table[arm], table["random"]
+        label += "" if arm == "default" else " (the default of 0.13)"
         lines.append(f"| {label} | {t['fidelity_docs']} | {_pct(t['recovered'])} | {_pct(r['recovered'])} | "
                      f"{interval(t)} | {t['keys_of_full']}/{t['full_keys']} |")
     return "\n".join(lines) + ("\n\n" + command(*names) if names else "")
@@ -279,6 +307,7 @@ def tables() -> dict:
         out[f"lengths-{model}"] = lambda m=model: length_table(m)
         out[f"coverage-{model}"] = lambda m=model: coverage_table(m)
     out["papers"] = papers_table
+    out["readme-papers"] = readme_papers_table
     out["chunk"] = chunk_table
     out["cost"] = cost_tables
     return out
@@ -306,7 +335,7 @@ def plot(out: Path) -> None:
     for col, model in enumerate(MODELS):
         parts = [load(n) for n in ratio_files(model)]
         ratios = sorted({float(r) for p in parts for r in p["meta"]["ratios"]})
-        for arm, style in (("default", "o-"), ("random", "s--"), ("paper", "^:")):
+        for arm, style in (("default", "o-"), ("unstratified", "o:"), ("random", "s--"), ("paper", "^:")):
             xs, fid, keys = [], [], []
             for ratio in ratios:
                 rows = [r for p in parts for r in rows_at(p, ratio)]

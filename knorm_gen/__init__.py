@@ -24,7 +24,7 @@ from .platform.runtime import runtime_info  # noqa: E402
 from .models.support import ModelSupport, UnsupportedModelError, model_support  # noqa: E402
 from .generation.tunings import NoTuningError, tuned_config  # noqa: E402
 
-__version__ = "0.13.0"
+__version__ = "0.14.0"
 
 __all__ = [
     "KEEP_MODES",

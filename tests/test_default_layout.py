@@ -1,4 +1,4 @@
-"""The default of 0.13 and 0.14 (today's default without its stratified share, ``stratify=0``),
+"""The default of 0.13 (today's default without its stratified share, ``stratify=0``),
 expressed with the question rule's settings, keeps exactly the positions it kept when it was a rule
 name of its own (an old name the translator reads): positions saved from the product path of commit
 7857212 on fixed prompts, both models (tests/data/default_kept_*.json; Gemma 3's test is in

@@ -14,7 +14,7 @@ def _layout(preset: str, **fields) -> dict:
 
 CANDIDATES: dict[str, dict] = {
     "default": _layout("default"),
-    # the default before stratify (0.13 to 0.14), and its settings one at a time, as they were measured
+    # the default of 0.13 (before stratify), and its settings one at a time, as they were measured
     "unstratified": _layout("default", stratify=0.0),
     "no_carry": _layout("default", carry=0.0, stratify=0.0),
     "spread25": _layout("default", spread=0.25, stratify=0.0),
@@ -23,7 +23,6 @@ CANDIDATES: dict[str, dict] = {
     "spread75": _layout("default", carry=0.0, spread=0.75, stratify=0.0),
     "spread90": _layout("default", carry=0.0, spread=0.9, stratify=0.0),
     "stratify50": _layout("default", stratify=0.5),
-    "stratify70": _layout("default", stratify=0.7),
     "best": _layout("default", question_score="best", stratify=0.0),
     "per_query": _layout("default", question_score="per_query", stratify=0.0),
     # the other presets, and their rules alone in every layer at the default's recent quarter

@@ -37,7 +37,7 @@ from .evaluate import (
 TUNE_ARMS = ("default", "unstratified", "spread25", "intrinsic", "low", "keydiff", "random")
 """What ``knorm-tune`` measures by default (``--arms`` for the others of :data:`CANDIDATES`):
 the default layout, the default without its stratified share (``unstratified``, the default
-until 0.14) and that layout with a quarter of its rule slots drawn at random (``spread25``),
+of 0.13) and that layout with a quarter of its rule slots drawn at random (``spread25``),
 ``--preset intrinsic`` (no probe), keep-low and KeyDiff in every layer at the default's recent
 quarter, and random eviction as the control."""
 QUICK_ARMS = ("default", "unstratified", "random")
