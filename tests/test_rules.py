@@ -606,3 +606,22 @@ def test_variants_stack_on_any_rule_in_their_tiers():
     from .conftest import tiny_llama
 
     assert all(c.rule == rule for c in make_eviction_cache(tiny_llama(layers=2), config))
+
+
+def test_stratify_left_unset_follows_the_rule_that_runs():
+    # 0.7 under the question rule given by name; all but 0.05 of the slots carry and spread leave where
+    # they leave less (0.95 - 0.5 = 0.45); 0 under any other rule and for a rule object without a Stratify
+    from knorm_gen.eviction.config import make_configs
+    from knorm_gen.eviction.rules.norm import Low
+
+    assert EvictionConfig().stratify == 0.7
+    assert EvictionConfig(carry=0.5).stratify == 0.45 and EvictionConfig(spread=0.25).stratify == 0.45
+    assert EvictionConfig(keep="low").stratify == 0.0 and EvictionConfig(keep=Question()).stratify == 0.0
+    assert EvictionConfig(keep=Low(), stratify=0.3).stratify == 0.3
+    # on top of a given config (a row's override): an unset stratify follows the new rule, a set one stays
+    base, _ = make_configs()
+    assert make_configs(eviction=base, keep="low")[0].stratify == 0.0
+    assert make_configs(eviction=base, carry=0.5)[0].stratify == 0.45
+    assert make_configs(eviction=base, keep="low", stratify=0.2)[0].stratify == 0.2
+    with pytest.raises(ValueError, match="carry \\+ spread \\+ stratify must be below 1"):
+        EvictionConfig(carry=0.25, stratify=0.8)

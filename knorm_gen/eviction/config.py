@@ -43,7 +43,9 @@ def early_layers(n_layers: int, full_layers: Optional[Sequence[int]] = None) -> 
 RECENT_SHARE = 0.25
 DEFAULT_STRATIFY = 0.7
 """``stratify`` where it is not given and the rule is the question rule (given by name): seven tenths of
-each layer's rule slots given out over stretches of the document (docs/history.md says how it was chosen)."""
+each layer's rule slots given out over stretches of the document (docs/history.md says how it was chosen),
+or less where ``carry`` and ``spread`` leave less (:data:`STRATIFY_LEAVES` stays with the rule's scores)."""
+STRATIFY_LEAVES = 0.05
 """The default ``recent_share``: a quarter of each budget holds the most recent tokens,
 beside the question rule. Of the three splits measured for that rule (a quarter, an
 eighth, a half), the quarter kept random eviction's summary fidelity on both models held
@@ -410,7 +412,8 @@ class EvictionConfig:
     stratify: Optional[float] = _setting(
         None, "Share of each layer's rule slots given out over stretches of the document, each stretch its share "
         "by length, to the positions the rule ranks best within it (0 = none): no stretch is left bare.",
-        metavar="SHARE", default_text=f"{DEFAULT_STRATIFY} with --keep question, else 0")
+        metavar="SHARE", default_text=f"{DEFAULT_STRATIFY} with --keep question (less where --carry and --spread "
+        f"leave less, so that {STRATIFY_LEAVES} of the slots go by the rule's scores), else 0")
     early_keep: str = _setting(
         "auto", "Rule of the first 30% of the full-attention layers (at least two): auto = leverage under "
         "--keep blend (--preset intrinsic), else the --keep rule; or a rule name. --layer-keep overrides it per "
@@ -455,10 +458,8 @@ class EvictionConfig:
             raise ValueError(f"recent must be an integer, got {self.recent!r}")
         object.__setattr__(self, "coverage", check_coverage(self.coverage))
         object.__setattr__(self, "spread", _check_share(self.spread, "spread", 0.25))
-        if self.stratify is None:  # a rule object is what runs: its own variants only
-            by_name = not isinstance(self.keep, Rule) and self.keep == "question"
-            object.__setattr__(self, "stratify", DEFAULT_STRATIFY if by_name else 0.0)
-        object.__setattr__(self, "stratify", _check_share(self.stratify, "stratify", 0.5))
+        if self.stratify is not None:  # None: settled with the rule's own settings (_check_rule_settings)
+            object.__setattr__(self, "stratify", _check_share(self.stratify, "stratify", 0.5))
         self._check_rule_settings()
         object.__setattr__(self, "recent_share", check_recent_share(self.recent_share))
         check_rule(self.early_keep, "early_keep", auto=True)
@@ -491,7 +492,8 @@ class EvictionConfig:
         """``keep`` given as a rule object sets its settings; every rule checks its own
         (:class:`~knorm_gen.eviction.rules.base.Rule`), and what a rule carries plus ``spread``
         must leave slots to the rule."""
-        if isinstance(self.keep, Rule):
+        by_name = not isinstance(self.keep, Rule)  # a rule object is what runs: its own variants only
+        if not by_name:
             for key, value in self.keep.settings().items():
                 object.__setattr__(self, key, value)
             object.__setattr__(self, "keep", self.keep.name)
@@ -501,6 +503,9 @@ class EvictionConfig:
             for key, value in cls.from_settings(values).settings().items():
                 object.__setattr__(self, key, value)
         carried = max((self.rule(r).carry for r in self.rules() if r in RULES), default=0.0)  # others: refused below
+        if self.stratify is None:  # the question rule's default share, less where carry and spread leave less
+            share = min(DEFAULT_STRATIFY, round(1 - STRATIFY_LEAVES - carried - self.spread, 6))
+            object.__setattr__(self, "stratify", max(0.0, share) if by_name and self.keep == "question" else 0.0)
         if carried + self.spread + self.stratify >= 1:
             raise ValueError(f"carry + spread + stratify must be below 1 (got {carried} + {self.spread} + "
                              f"{self.stratify}): nothing would be left "
@@ -973,7 +978,10 @@ def make_configs(eviction: Optional[EvictionConfig] = None, generation: Optional
     if eviction is None:  # built from what is given: a budget given alone is fixed (EvictionConfig)
         eviction = EvictionConfig(**{**layout, **ev})
     elif layout or ev:  # on top of a given config: its ratio stays, and a budget given caps it
-        eviction = replace(eviction, **{**layout, **ev})
+        over = {**layout, **ev}
+        if {"keep", "carry", "spread"} & set(over) and "stratify" not in over:
+            over["stratify"] = None  # unset, it follows the rule that runs (EvictionConfig.stratify)
+        eviction = replace(eviction, **over)
     generation = generation or GenerationConfig()
     gen = {k: v for k, v in settings.items() if k in GENERATION_FIELDS}
     if gen:

@@ -45,8 +45,11 @@ leaves layers 0 and 1 whole (more bytes than the others at one budget)."""
 
 def describe(fields: dict) -> str:
     """The settings a layout sets, as a user would write them (``keep=question, carry=0.25, ...``)."""
-    shown = {k: v for k, v in fields.items() if v not in (None, (), 0.0, "auto") or k in ("keep", "carry")}
+    shown = {k: v for k, v in fields.items() if v not in (None, (), 0.0, "auto") or k in ("keep", "carry")
+             or (k == "stratify" and v is not None)}
     if shown.get("keep") != "question":
         shown.pop("question_score", None)
         shown.pop("carry", None)
+        if not shown.get("stratify"):
+            shown.pop("stratify", None)
     return ", ".join(f"{k}={v}" for k, v in shown.items())
