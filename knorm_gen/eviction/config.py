@@ -41,16 +41,17 @@ def early_layers(n_layers: int, full_layers: Optional[Sequence[int]] = None) -> 
 
 
 RECENT_SHARE = 0.25
-DEFAULT_STRATIFY = 0.7
-"""``stratify`` where it is not given and the rule is the question rule (given by name): seven tenths of
-each layer's rule slots given out over stretches of the document (docs/history.md says how it was chosen),
-or less where ``carry`` and ``spread`` leave less (:data:`STRATIFY_LEAVES` stays with the rule's scores)."""
-STRATIFY_LEAVES = 0.05
 """The default ``recent_share``: a quarter of each budget holds the most recent tokens,
 beside the question rule. Of the three splits measured for that rule (a quarter, an
 eighth, a half), the quarter kept random eviction's summary fidelity on both models held
 out, where the eighth fell short on Gemma 3 and the half found fewer keys (docs/history.md).
 The intrinsic layouts keep the half (``--preset intrinsic``)."""
+DEFAULT_STRATIFY = 0.7
+"""``stratify`` where it is not given and the rule is the question rule (given by name): seven tenths of
+each layer's rule slots given out over stretches of the document (docs/history.md says how it was chosen),
+or less where ``carry`` and ``spread`` leave less (:data:`STRATIFY_LEAVES` stays with the rule's scores)."""
+STRATIFY_LEAVES = 0.05
+"""The share of a question-rule layer's slots an unset ``stratify`` leaves to the rule's own scores."""
 OLD_RECENT_SHARE = 0.125
 """A recent window of ``budget // 8``: the paper, retrieval, summarize and question presets
 keep it, and a saved tuning or record without ``recent_share`` means it."""
