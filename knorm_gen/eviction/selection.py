@@ -236,6 +236,12 @@ def _promote(key: mx.array, pos: mx.array, value: mx.array, eligible: mx.array, 
         else:
             order = mx.broadcast_to(mx.arange(n, dtype=mx.uint32), order_key.shape)
         chosen = mx.take_along_axis(eligible, order, axis=-1)
+    return _to_tier(key, pos, order, chosen, tier)
+
+
+def _to_tier(key: mx.array, pos: mx.array, order: mx.array, chosen: mx.array, tier: int) -> mx.array:
+    """``key`` with the positions at ``order`` (per row and head) that ``chosen`` marks, in the same
+    order, ranked in ``tier`` + position; the others as they were."""
     at = mx.take_along_axis(pos, order, axis=-1).astype(mx.int64)
     was = mx.take_along_axis(key, order, axis=-1)
     return mx.put_along_axis(key, order, mx.where(chosen, tier + at, was), axis=-1)
@@ -316,7 +322,4 @@ def stratify_tier(key: mx.array, seen: Sequence[int], slots: Sequence[int],
     quota = mx.array([stretch_quotas(s, n, stretches) for s, n in zip(seen, slots)], dtype=mx.int32)  # (B, S)
     q_sorted = mx.take_along_axis(mx.broadcast_to(quota[:, None, :], key.shape[:2] + (stretches,)),
                                   s_sorted, axis=-1)
-    chosen = mx.logical_and(e_sorted, within < q_sorted)
-    at = mx.take_along_axis(pos, order, axis=-1).astype(mx.int64)
-    was = mx.take_along_axis(key, order, axis=-1)
-    return mx.put_along_axis(key, order, mx.where(chosen, SPREAD_TIER + at, was), axis=-1)
+    return _to_tier(key, pos, order, mx.logical_and(e_sorted, within < q_sorted), SPREAD_TIER)

@@ -86,11 +86,12 @@ class Rule:
         """The rule's settings by their key: what a record's ``config`` holds for it."""
         return {key: getattr(self, f.name) for key, f in self.setting_fields().items()}
 
-    def check_share(self, name: str, example: float = 0.25) -> None:
-        """Raise ValueError unless setting ``name`` is a share from 0 to below 1."""
+    def check_share(self, name: str, example: float = 0.25, key: Optional[str] = None) -> None:
+        """Raise ValueError unless setting ``name`` (named ``key`` in the message; default its
+        setting's key) is a share from 0 to below 1."""
         value = getattr(self, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-            key = next(k for k, f in self.setting_fields().items() if f.name == name)
+            key = key or next(k for k, f in self.setting_fields().items() if f.name == name)
             raise ValueError(f"{key} must be a share from 0 to below 1 (e.g. {example}), got {value!r}")
         object.__setattr__(self, name, float(value))
 

@@ -22,6 +22,11 @@ from ..selection import carry_slots, cover, cover_slots, spread_tier, stratify_t
 from .base import Rule
 
 
+def _of_rule(attr: str) -> property:
+    """A property that reads ``attr`` of the wrapped rule."""
+    return property(lambda self: getattr(self.rule, attr), doc=f"The wrapped rule's ``{attr}``.")
+
+
 @dataclass(frozen=True, eq=True)
 class Variant(Rule):
     """A rule whose every hook is ``rule``'s, with ``share`` of its slots ranked ahead of its
@@ -36,36 +41,16 @@ class Variant(Rule):
     def __post_init__(self):
         if not isinstance(self.rule, Rule):
             raise TypeError(f"{type(self).__name__} wraps a rule object (e.g. Question()), got {self.rule!r}")
-        self.check_share("share")
+        self.check_share("share", key=self.key)
 
     # ---- every hook is the wrapped rule's ----------------------------------------
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return self.rule.name
-
-    @property
-    def summary(self) -> str:  # type: ignore[override]
-        return self.rule.summary
-
-    @property
-    def reads_probe(self) -> bool:  # type: ignore[override]
-        return self.rule.reads_probe
-
-    @property
-    def penalty(self) -> float:  # type: ignore[override]
-        return self.rule.penalty
-
-    @property
-    def early(self) -> Optional[str]:  # type: ignore[override]
-        return self.rule.early
-
-    @property
-    def carry(self) -> float:  # type: ignore[override]
-        return self.rule.carry
-
-    @property
-    def carries(self) -> bool:
-        return self.rule.carries
+    name = _of_rule("name")  # type: ignore[assignment]
+    summary = _of_rule("summary")  # type: ignore[assignment]
+    reads_probe = _of_rule("reads_probe")  # type: ignore[assignment]
+    penalty = _of_rule("penalty")  # type: ignore[assignment]
+    early = _of_rule("early")  # type: ignore[assignment]
+    carry = _of_rule("carry")  # type: ignore[assignment]
+    carries = _of_rule("carries")
 
     def score(self, keys: mx.array, positions: mx.array, state: Any = None) -> mx.array:
         return self.rule.score(keys, positions, state)
@@ -85,12 +70,6 @@ class Variant(Rule):
     def settings(self) -> dict:
         return {**self.rule.settings(), self.key: self.share}
 
-    def check_share(self, name: str, example: float = 0.25) -> None:
-        value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-            raise ValueError(f"{self.key} must be a share from 0 to below 1 (e.g. {example}), got {value!r}")
-        object.__setattr__(self, name, float(value))
-
     def variants(self) -> tuple["Variant", ...]:
         return (*self.rule.variants(), self)
 
@@ -99,8 +78,9 @@ class Variant(Rule):
 
     # ---- what the variant keeps ----------------------------------------------------
     def slots(self, budget: int, reserved: int) -> int:
-        """Slots of a layer's ``budget`` this variant takes, beside the ``reserved`` ones."""
-        raise NotImplementedError
+        """Slots of a layer's ``budget`` this variant takes beside the ``reserved`` ones: ``share`` of
+        those left to the rule (as carry counts its own)."""
+        return carry_slots(budget, self.share, reserved)
 
     def mark(self, key: mx.array, seen: Sequence[int], slots: Sequence[int], salt: int) -> mx.array:
         """``key`` (the eviction ranks) with each row's ``slots[b]`` positions of this variant
@@ -132,9 +112,6 @@ class Spread(Variant):
     key: ClassVar[str] = "spread"
     after_carry: ClassVar[bool] = True
 
-    def slots(self, budget: int, reserved: int) -> int:
-        return carry_slots(budget, self.share, reserved)
-
     def mark(self, key: mx.array, seen: Sequence[int], slots: Sequence[int], salt: int) -> mx.array:
         return spread_tier(key, slots, salt)
 
@@ -148,9 +125,6 @@ class Stratify(Variant):
 
     key: ClassVar[str] = "stratify"
     after_carry: ClassVar[bool] = True
-
-    def slots(self, budget: int, reserved: int) -> int:
-        return carry_slots(budget, self.share, reserved)
 
     def mark(self, key: mx.array, seen: Sequence[int], slots: Sequence[int], salt: int) -> mx.array:
         return stratify_tier(key, seen, slots)
